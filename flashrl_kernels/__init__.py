@@ -4,10 +4,16 @@ __version__ = "0.1.0"
 from ._backend import BACKENDS, BackendUnavailableError, selected_backend, use_backend
 from ._checks import set_value_checks
 from .ops import token_logprobs
+from .ops import dequantize_rows, quantize_per_token, quantize_rows, quantize_rows_, scaled_linear
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "dequantize_rows",
+    "quantize_per_token",
+    "quantize_rows",
+    "quantize_rows_",
+    "scaled_linear",
     "selected_backend",
     "set_value_checks",
     "token_logprobs",

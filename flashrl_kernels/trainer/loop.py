@@ -75,7 +75,7 @@ def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.T
     """Advantages [B] and the mask of samples that train (GFPO keeps k of G; dynamic sampling drops flat groups)."""
     mode, kwargs = cfg.advantage, {}
     if mode.startswith("gfpo_"):
-        kwargs = dict(gfpo_metric=mode.removeprefix("gfpo_"), gfpo_keep=cfg.gfpo_keep)
+        kwargs = {"gfpo_metric": mode.removeprefix("gfpo_"), "gfpo_keep": cfg.gfpo_keep}
         mode = "gfpo"
     adv, keep = fk.group_advantages(rewards, cfg.group_size, mode=mode, lengths=lengths, **kwargs)
     if cfg.dynamic_sampling:

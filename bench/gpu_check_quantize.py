@@ -43,7 +43,7 @@ def run(report):
         qo = torch.empty(n, k, dtype=dtype, device=dev)
         so = torch.empty(n, dtype=torch.float32, device=dev)
 
-        def inplace():
+        def inplace(qo=qo, so=so):
             with fk.use_backend(backend):
                 torch.ops.flashrl.quantize_rows_(w, qo, so)
 
@@ -54,7 +54,7 @@ def run(report):
 
         qmax = 127.0 if dtype == torch.int8 else 448.0
 
-        def naive():
+        def naive(dtype=dtype, qmax=qmax):
             sc = w.float().abs().amax(1, keepdim=True) / qmax
             y = w.float() / sc
             return (y.round().clamp(-128, 127) if dtype == torch.int8 else y.clamp(-qmax, qmax)).to(dtype), sc
@@ -80,13 +80,13 @@ def run(report):
             for m in tokens:
                 xm = x[:m]
                 flops = 2 * m * nn * kk
-                ms = report.time_ms(lambda: fk.scaled_linear(xm, q, s, activation_quant=True))
+                ms = report.time_ms(lambda xm=xm, q=q, s=s: fk.scaled_linear(xm, q, s, activation_quant=True))
                 report.row(sec, f"W8A8 {tag} N={nn} K={kk} M={m}", ms, tflops=flops / (ms * 1e-3) / 1e12,
                            note="fast path" if fast else "emulated (no W8A8 GEMM here)")
             if tag == "int8":
                 for m in tokens:
                     xm = x[:m]
-                    ms = report.time_ms(lambda: torch.nn.functional.linear(xm, wl))
+                    ms = report.time_ms(lambda xm=xm, wl=wl: torch.nn.functional.linear(xm, wl))
                     report.row(sec, f"bf16 F.linear N={nn} K={kk} M={m}", ms,
                                tflops=2 * m * nn * kk / (ms * 1e-3) / 1e12, note="baseline")
         del wl

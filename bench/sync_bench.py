@@ -30,8 +30,8 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-QWEN2_05B = dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
-                 tie_word_embeddings=True, max_positions=4096)
+QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
+                 "tie_word_embeddings": True, "max_positions": 4096}
 
 
 def build_checkpoint(path: Path, layers: int) -> Path:
@@ -53,7 +53,7 @@ def random_tensors(ckpt: Path, seed: int):
     g = torch.Generator().manual_seed(seed)
     out = []
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        for name in f.keys():
+        for name in f:
             shape = f.get_slice(name).get_shape()
             out.append((name, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)))
     return out
@@ -87,8 +87,8 @@ def main(argv=None):
     nparams = sum(t.numel() for _, t in tensors)
     print(f"{len(tensors)} tensors, {nparams / 1e6:.0f} M parameters, {nbytes / 1e9:.2f} GB bf16; "
           f"torch {torch.__version__}, vllm {vllm.__version__}, {torch.get_num_threads()} threads", flush=True)
-    kw = dict(dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=4,
-              kv_cache_memory_bytes=64 << 20, seed=0)
+    kw = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 4,
+              "kv_cache_memory_bytes": 64 << 20, "seed": 0}
     rows = []
 
     def run_engine(quant):
@@ -108,7 +108,6 @@ def main(argv=None):
         med, ts = median_time(reload, args.repeats)
         rows.append((f"vLLM reload_weights -> {quant or 'bf16'}", med, ts))
         llm.generate(["hello"], sp, use_tqdm=False)  # still serves
-        del llm
 
     run_engine("flashrl_int8")
     if args.bf16_baseline:

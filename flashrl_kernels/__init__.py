@@ -3,8 +3,7 @@ __version__ = "0.1.0"
 
 from ._backend import BACKENDS, BackendUnavailableError, selected_backend, use_backend
 from ._checks import set_value_checks
-from .ops import token_logprobs
-from .ops import dequantize_rows, quantize_per_token, quantize_rows, quantize_rows_, scaled_linear
+from .ops import dequantize_rows, quantize_per_token, quantize_rows, quantize_rows_, scaled_linear, token_logprobs
 
 __all__ = [
     "BACKENDS",

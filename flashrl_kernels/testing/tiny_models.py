@@ -137,7 +137,7 @@ def build_tiny_qwen2(
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            if name.endswith(("norm.weight", "layernorm.weight")):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))

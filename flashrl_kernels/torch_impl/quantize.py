@@ -28,7 +28,7 @@ from ..reference.quantize import QMAX, ZERO_ROW_AMAX
 
 
 def chunk_bytes() -> int:
-    return int(os.environ.get("FLASHRL_CHUNK_BYTES", 8 << 20))
+    return int(os.environ.get("FLASHRL_CHUNK_BYTES", str(8 << 20)))
 
 
 def _quantize_chunk(w: torch.Tensor, dtype: torch.dtype):
@@ -72,7 +72,7 @@ def dequantize_rows_forward(q2d, scale, out_dtype):
 
 # ---- scaled linear ----
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_fast_path(device_index: int, dtype: torch.dtype) -> bool:
     """Whether the W8A8 GEMM for `dtype` runs on this GPU (probed once, then cached)."""
     cap = torch.cuda.get_device_capability(device_index)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["SyncResult", "register", "sync_weights", "load_into_model"]
+__all__ = ["SyncResult", "load_into_model", "register", "sync_weights"]
 
 _registered = False
 

@@ -34,7 +34,6 @@ import weakref
 from typing import Any
 
 import torch
-
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -123,7 +122,7 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
 class FlashRLLinearMethod(LinearMethodBase):
     """Per-output-row INT8/FP8 weights; weight-only on CPU, dynamic W8A8 on a GPU by default."""
 
-    def __init__(self, config: "FlashRLQuantConfig"):
+    def __init__(self, config: FlashRLQuantConfig):
         self.config = config
 
     def create_weights(
@@ -213,11 +212,11 @@ class FlashRLQuantConfig(QuantizationConfig):
         return []  # quantized online from a bf16/fp32 checkpoint: nothing to read
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "FlashRLQuantConfig":
+    def from_config(cls, config: dict[str, Any]) -> FlashRLQuantConfig:
         return cls(activation_quant=config.get("activation_quant", "auto"))
 
     @classmethod
-    def from_config_dict_json(cls, text: str) -> "FlashRLQuantConfig":
+    def from_config_dict_json(cls, text: str) -> FlashRLQuantConfig:
         return cls.from_config(json.loads(text))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):

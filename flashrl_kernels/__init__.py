@@ -3,11 +3,13 @@ __version__ = "0.1.0"
 
 from ._backend import BACKENDS, BackendUnavailableError, selected_backend, use_backend
 from ._checks import set_value_checks
+from ._native import native_status
 from .ops import token_logprobs
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "native_status",
     "selected_backend",
     "set_value_checks",
     "token_logprobs",

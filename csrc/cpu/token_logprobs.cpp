@@ -12,13 +12,19 @@
 //   dlogp/dz_k = (1[k = y] - p_k) / T,   dH/dz_k = -p_k (log p_k + H) / T.
 //
 // Forward: one pass over each row from memory. The row is walked in chunks of
-// kChunk values; each chunk is converted to fp32 (times 1/T) into a small
-// buffer that stays in L1, its max taken, the running accumulators rescaled
-// when the max grows (one scalar exp per chunk), then exp(u - m) summed with
-// ATen's vectorised exp. Per-chunk partial sums are folded into the row sums,
-// which keeps the fp32 summation error small for V ~ 150k. Rows are spread
-// over threads with at::parallel_for; each row is reduced by one thread in a
-// fixed order, so results do not depend on the number of threads.
+// kChunk values (L1-resident): the chunk's max is taken, the running
+// accumulators are rescaled when the max grows (one scalar exp per chunk),
+// then exp(u - m) is summed. Per-chunk partial sums are folded into the row
+// sums, which keeps the fp32 summation error small for V ~ 150k. Rows are
+// spread over threads with at::parallel_for; each row is reduced by one
+// thread in a fixed order, so results do not depend on the number of threads.
+//
+// The exponentials are computed in base 2: t = x * (log2(e) / T) - m' is one
+// fused multiply-add from the raw logit x, then 2^t. On AVX-512 2^t is
+// evaluated inline (round, degree-5 polynomial whose coefficients are those of
+// ATen's exp_u20 rescaled to base 2, scalef: max relative error 2e-7); on other
+// CPUs it falls back to ATen's Vectorized<float>::exp_u20. The rounding of the
+// scalar shift m' to fp32 is compensated exactly in the row's result.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -42,7 +48,6 @@ constexpr int64_t kW = Vec::size();
 constexpr int64_t kChunk = 1024;  // fp32 values per chunk: 4 KiB, L1-resident
 static_assert(kChunk % (2 * kW) == 0, "chunk must hold whole vector pairs");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLowest = std::numeric_limits<float>::lowest();
 
 template <typename T>
 inline Vec load_f32(const T* p) {
@@ -67,15 +72,45 @@ inline void store_pair<float>(float* dst, const Vec& a, const Vec& b) {
 }
 
 // Max over the lanes of v; NaN if any lane is NaN.
+// Max over the lanes of v (a NaN lane may be dropped; NaN rows are caught by the sums).
 inline float lane_max(const Vec& v) {
   alignas(64) float buf[kW];
   v.store(buf);
   float m = buf[0];
-  for (int64_t i = 0; i < kW; ++i) {
-    if (std::isnan(buf[i])) return buf[i];
-    m = std::max(m, buf[i]);
-  }
+  for (int64_t i = 1; i < kW; ++i) m = std::max(m, buf[i]);
   return m;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr double kLn2d = 0.69314718055994531;
+constexpr float kT2Min = -200.f;  // 2^-200 underflows to 0: clamp t there (keeps 0 * t finite at t = -inf)
+
+inline Vec plain_max(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_max_ps(a, b);
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
+// 2^t for t already clamped to >= kT2Min (NaN and +inf propagate as NaN / inf).
+inline Vec exp2_clamped(const Vec& t) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // 2^t = 2^n * 2^f, n = round(t), f in [-1/2, 1/2]; ATen exp_u20's polynomial for e^r with r = f ln 2
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0.0013215929f);  // 0.00828929059 ln2^5
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0096318647f));   // 0.0418978221 ln2^4
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055507725f));    // 0.166676521 ln2^3
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022240f));     // 0.499991506 ln2^2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314697f));     // 0.999999701 ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+#else
+  return (t * Vec(static_cast<float>(kLn2d))).exp_u20();
+#endif
 }
 
 inline double lane_sum(const Vec& v) {
@@ -134,83 +169,87 @@ struct RowStats {
   float lse, logp, ent;
 };
 
+// Running state of one row: m is the max of the raw logits seen so far; s and w
+// are per-lane sums of e = 2^t and e * t with t = x * c - mc, c = log2(e) / T,
+// mc = fl(m_ref * c), m_ref = (m == -inf ? 0 : m).
+struct RowAcc {
+  float m = kNegInf;
+  Vec s = Vec(0.f);
+  Vec w = Vec(0.f);
+};
+
+template <typename T, bool ENTROPY>
+inline void forward_chunk(const T* xc, int64_t n, float c, RowAcc& acc) {
+  // n is a multiple of kW (the row's tail arrives here through a padded buffer)
+  Vec vmax0(kNegInf), vmax1(kNegInf);
+  int64_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    vmax0 = plain_max(vmax0, load_f32(xc + i));
+    vmax1 = plain_max(vmax1, load_f32(xc + i + kW));
+  }
+  for (; i < n; i += kW) vmax0 = plain_max(vmax0, load_f32(xc + i));
+  const float cm = lane_max(plain_max(vmax0, vmax1));
+  if (cm > acc.m) {
+    if (acc.m != kNegInf) {  // before the first finite max every sum is exactly 0
+      const float dt = acc.m * c - cm * c;  // shift of t, <= 0
+      const float a = std::exp2(dt);
+      if (ENTROPY) acc.w = (acc.w + acc.s * Vec(dt)) * Vec(a);
+      acc.s = acc.s * Vec(a);
+    }
+    acc.m = cm;
+  }
+  const Vec vc(c), vmc(-((acc.m == kNegInf ? 0.f : acc.m) * c)), lo(kT2Min);
+  Vec s0(0.f), s1(0.f), w0(0.f), w1(0.f);
+  int64_t j = 0;
+  for (; j + 2 * kW <= n; j += 2 * kW) {
+    const Vec t0 = at::vec::clamp_min(at::vec::fmadd(load_f32(xc + j), vc, vmc), lo);
+    const Vec t1 = at::vec::clamp_min(at::vec::fmadd(load_f32(xc + j + kW), vc, vmc), lo);
+    const Vec e0 = exp2_clamped(t0);
+    const Vec e1 = exp2_clamped(t1);
+    s0 = s0 + e0;
+    s1 = s1 + e1;
+    if (ENTROPY) {
+      w0 = at::vec::fmadd(e0, t0, w0);
+      w1 = at::vec::fmadd(e1, t1, w1);
+    }
+  }
+  for (; j < n; j += kW) {
+    const Vec t0 = at::vec::clamp_min(at::vec::fmadd(load_f32(xc + j), vc, vmc), lo);
+    const Vec e0 = exp2_clamped(t0);
+    s0 = s0 + e0;
+    if (ENTROPY) w0 = at::vec::fmadd(e0, t0, w0);
+  }
+  acc.s = acc.s + (s0 + s1);
+  if (ENTROPY) acc.w = acc.w + (w0 + w1);
+}
+
 template <typename T, bool ENTROPY>
 RowStats forward_row(const T* x, int64_t v, float inv_t, int64_t tgt) {
-  alignas(64) float buf[kChunk];
-  const Vec vinv(inv_t);
-  float m = kNegInf;  // running max of u
-  Vec s_acc(0.f), w_acc(0.f);  // sums relative to m_ref = (m == -inf ? 0 : m)
-  bool nan_seen = false;
-  for (int64_t c0 = 0; c0 < v; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, v - c0);
+  const float c = static_cast<float>(kLog2e * static_cast<double>(inv_t));
+  RowAcc acc;
+  const int64_t full = v / kChunk * kChunk;
+  for (int64_t c0 = 0; c0 < full; c0 += kChunk) forward_chunk<T, ENTROPY>(x + c0, kChunk, c, acc);
+  if (full < v) {  // the tail: fp32 copy padded with -inf to whole vectors
+    alignas(64) float buf[kChunk];
+    const int64_t n = v - full;
     const int64_t nv = (n + kW - 1) / kW * kW;
-    const T* xc = x + c0;
-    Vec vmax0(kNegInf), vmax1(kNegInf);
-    int64_t i = 0;
-    for (; i + 2 * kW <= n; i += 2 * kW) {
-      const Vec u0 = load_f32(xc + i) * vinv;
-      const Vec u1 = load_f32(xc + i + kW) * vinv;
-      u0.store(buf + i);
-      u1.store(buf + i + kW);
-      vmax0 = at::vec::maximum(vmax0, u0);
-      vmax1 = at::vec::maximum(vmax1, u1);
-    }
-    if (i < nv) {  // the row's tail: scalar conversion, padded with -inf
-      for (int64_t k = i; k < n; ++k) buf[k] = static_cast<float>(xc[k]) * inv_t;
-      for (int64_t k = n; k < nv; ++k) buf[k] = kNegInf;
-      for (; i < nv; i += kW) vmax0 = at::vec::maximum(vmax0, Vec::loadu(buf + i));
-    }
-    const float cm = lane_max(at::vec::maximum(vmax0, vmax1));
-    if (std::isnan(cm)) {
-      nan_seen = true;
-      continue;
-    }
-    if (cm > m) {
-      if (m != kNegInf) {  // before the first finite max every sum is exactly 0
-        const float a = std::exp(m - cm);
-        if (ENTROPY) w_acc = (w_acc + s_acc * Vec(m - cm)) * Vec(a);
-        s_acc = s_acc * Vec(a);
-      }
-      m = cm;
-    }
-    const Vec mref(m == kNegInf ? 0.f : m);
-    const Vec lowest(kLowest);
-    Vec s0(0.f), s1(0.f), w0(0.f), w1(0.f);
-    int64_t j = 0;
-    for (; j + 2 * kW <= nv; j += 2 * kW) {
-      const Vec d0 = Vec::loadu(buf + j) - mref;
-      const Vec d1 = Vec::loadu(buf + j + kW) - mref;
-      const Vec e0 = d0.exp_u20();
-      const Vec e1 = d1.exp_u20();
-      s0 = s0 + e0;
-      s1 = s1 + e1;
-      if (ENTROPY) {  // clamp keeps e * (u - m) = 0 where u = -inf
-        w0 = at::vec::fmadd(e0, at::vec::clamp_min(d0, lowest), w0);
-        w1 = at::vec::fmadd(e1, at::vec::clamp_min(d1, lowest), w1);
-      }
-    }
-    for (; j < nv; j += kW) {
-      const Vec d0 = Vec::loadu(buf + j) - mref;
-      const Vec e0 = d0.exp_u20();
-      s0 = s0 + e0;
-      if (ENTROPY) w0 = at::vec::fmadd(e0, at::vec::clamp_min(d0, lowest), w0);
-    }
-    s_acc = s_acc + (s0 + s1);
-    if (ENTROPY) w_acc = w_acc + (w0 + w1);
+    for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<float>(x[full + k]);
+    for (int64_t k = n; k < nv; ++k) buf[k] = kNegInf;
+    forward_chunk<float, ENTROPY>(buf, nv, c, acc);
   }
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  if (nan_seen) return RowStats{nan, nan, nan};
-  const float m_ref = m == kNegInf ? 0.f : m;
-  const double s = lane_sum(s_acc);
-  const float log_s = static_cast<float>(std::log(s));
+  const double m_ref = acc.m == kNegInf ? 0.0 : acc.m;
+  // t was computed against mc = fl(m_ref * c) instead of m_ref * log2(e) / T:
+  // s = sum 2^(x c - mc), so lse = mc ln2 + ln s (exact up to the sum), with c = fl(log2(e) / T)
+  // and lse_true = ln sum exp(x / T); the difference x (c ln2 - 1/T) is below fp32 resolution of x / T.
+  const double mc = static_cast<double>(static_cast<float>(m_ref * c));
+  const double s = lane_sum(acc.s);
+  const double lse = mc * kLn2d + std::log(s);
   RowStats r;
-  r.lse = m_ref + log_s;
-  if (tgt >= 0 && tgt < v) {
-    r.logp = (static_cast<float>(x[tgt]) * inv_t - m_ref) - log_s;
-  } else {
-    r.logp = nan;
-  }
-  r.ent = ENTROPY ? static_cast<float>(static_cast<double>(log_s) - lane_sum(w_acc) / s) : 0.f;
+  r.lse = static_cast<float>(lse);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  r.logp = (tgt >= 0 && tgt < v) ? static_cast<float>(static_cast<double>(x[tgt]) * inv_t - lse) : nan;
+  // H = lse - E[u] = ln s - E[t] ln2 (t relative to mc): E[t] = w / s
+  r.ent = ENTROPY ? static_cast<float>(std::log(s) - lane_sum(acc.w) * kLn2d / s) : 0.f;
   return r;
 }
 
@@ -267,41 +306,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_forward(const at::
 
 // --------------------------------------------------------------- backward
 
-// grad row = g_lp (1[k=y] - p) / T  -  g_h p (log p + H) / T,  p = exp(u - lse)
+// grad row = g_lp (1[k=y] - p) / T  -  g_h p (log p + H) / T,  p = exp(u - lse).
+// p = 2^t * 2^delta with t = x c - lc, c = fl(log2(e) / T), lc = fl(lse log2(e)) and
+// delta = lc - lse log2(e) (the rounding of lc, folded into the scalar coefficients).
 template <typename T, bool ENTROPY>
 void backward_row(const T* x, T* g, int64_t v, float inv_t, int64_t y, float lse, float g_lp, float g_h, float h) {
-  const Vec vinv(inv_t), vlse(lse), lowest(kLowest);
-  const Vec c_lp(-g_lp * inv_t);  // coefficient of p
-  const Vec c_h(-g_h * inv_t);    // coefficient of p (log p + H)
-  const Vec vh(h);
-  auto grad_of = [&](const Vec& u) {
-    const Vec lp = u - vlse;
-    const Vec p = lp.exp_u20();
-    Vec out = p * c_lp;
-    if (ENTROPY) out = at::vec::fmadd(p * c_h, at::vec::clamp_min(lp, lowest) + vh, out);
+  const float c = static_cast<float>(kLog2e * static_cast<double>(inv_t));
+  const float lc = static_cast<float>(static_cast<double>(lse) * kLog2e);
+  const double delta = static_cast<double>(lc) - static_cast<double>(lse) * static_cast<double>(kLog2e);
+  const double scale = std::exp2(delta);
+  const Vec vc(c), vlc(-lc), lo(kT2Min), ln2(static_cast<float>(kLn2d));
+  const Vec c_lp(static_cast<float>(-g_lp * inv_t * scale));  // coefficient of 2^t
+  const Vec c_h(static_cast<float>(-g_h * inv_t * scale));    // coefficient of 2^t (log p + H)
+  const Vec vh(static_cast<float>(h + delta * kLn2d));        // log p + H = t ln2 + (H + delta ln2)
+  auto grad_of = [&](const Vec& xv) {
+    const Vec t = at::vec::clamp_min(at::vec::fmadd(xv, vc, vlc), lo);
+    const Vec e = exp2_clamped(t);
+    Vec out = e * c_lp;
+    if (ENTROPY) out = at::vec::fmadd(e * c_h, at::vec::fmadd(t, ln2, vh), out);
     return out;
   };
   int64_t k = 0;
   for (; k + 2 * kW <= v; k += 2 * kW) {
-    const Vec u0 = load_f32(x + k) * vinv;
-    const Vec u1 = load_f32(x + k + kW) * vinv;
-    store_pair<T>(g + k, grad_of(u0), grad_of(u1));
+    store_pair<T>(g + k, grad_of(load_f32(x + k)), grad_of(load_f32(x + k + kW)));
   }
   if (k < v) {  // tail through a padded buffer
-    alignas(64) float ubuf[2 * kW];
+    alignas(64) float xbuf[2 * kW];
     alignas(64) T gbuf[2 * kW];
     const int64_t n = v - k;
-    for (int64_t i = 0; i < 2 * kW; ++i) ubuf[i] = i < n ? static_cast<float>(x[k + i]) * inv_t : kNegInf;
-    store_pair<T>(gbuf, grad_of(Vec::loadu(ubuf)), grad_of(Vec::loadu(ubuf + kW)));
-    std::memcpy(g + k, gbuf, n * sizeof(T));
+    for (int64_t i = 0; i < 2 * kW; ++i) xbuf[i] = i < n ? static_cast<float>(x[k + i]) : kNegInf;
+    store_pair<T>(gbuf, grad_of(Vec::loadu(xbuf)), grad_of(Vec::loadu(xbuf + kW)));
+    std::memcpy(static_cast<void*>(g + k), gbuf, n * sizeof(T));
   }
-  // the target's one-hot term, recomputed in fp32 for that entry
-  const float u = static_cast<float>(x[y]) * inv_t;
-  const float lp = u - lse;
-  const float p = std::exp(lp);
-  float gy = -g_lp * inv_t * p + g_lp * inv_t;
-  if (ENTROPY) gy += -g_h * inv_t * p * (std::max(lp, kLowest) + h);
-  g[y] = static_cast<T>(gy);
+  // the target's one-hot term, recomputed in double for that entry
+  const double lp = static_cast<double>(x[y]) * inv_t - lse;
+  const double p = std::exp(lp);
+  double gy = g_lp * (1.0 - p) * inv_t;
+  if (ENTROPY && p > 0) gy -= g_h * p * (lp + h) * inv_t;
+  g[y] = static_cast<T>(static_cast<float>(gy));
 }
 
 template <typename T>

@@ -189,7 +189,7 @@ def _link_flags() -> list[str]:
 
 def _compiler_id(cxx: str) -> str:
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return f"{cxx}: {e}"
 
@@ -229,7 +229,8 @@ def _compile(cxx: str, srcs: list[Path], target: Path) -> None:
                 p.kill()
                 p.wait()
         lib = Path(tmp) / f"{LIB_NAME}.so"
-        r = subprocess.run([cxx, *map(str, objs), *_link_flags(), "-o", str(lib)], capture_output=True, text=True)
+        r = subprocess.run([cxx, *map(str, objs), *_link_flags(), "-o", str(lib)],
+                           check=False, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"linking {LIB_NAME} failed:\n{_tail(r.stdout + r.stderr)}")
         os.replace(lib, target)  # atomic: a reader sees no library or a whole one

@@ -30,7 +30,7 @@ def fresh_status(monkeypatch, tmp_path):
 
 def _run(code, env_extra, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **env_extra}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=timeout)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -66,7 +66,7 @@ def test_no_compiler_falls_back(fresh_status, monkeypatch):
 
 
 def test_sources_missing_falls_back(fresh_status, monkeypatch):
-    monkeypatch.setattr(_native, "sources", lambda: [])
+    monkeypatch.setattr(_native, "sources", list)
     with pytest.warns(_native.NativeBuildWarning, match="not shipped"):
         assert not _native.load()
 
@@ -208,3 +208,24 @@ def test_matches_torch_backend_on_an_rl_shaped_batch():
     torch.testing.assert_close(outs["native"][0], outs["torch"][0], atol=5e-5, rtol=0)
     torch.testing.assert_close(outs["native"][1], outs["torch"][1], atol=5e-5, rtol=0)
     torch.testing.assert_close(outs["native"][2].float(), outs["torch"][2].float(), atol=2e-3, rtol=2e-2)
+
+
+@needs_native
+def test_benchmark_cases_run_at_tiny_size(monkeypatch):
+    from flashrl_kernels.benchmarks import native_logprobs as bench
+
+    monkeypatch.setattr(bench, "_compiled_peer", bench._peer)  # compiling is for the real benchmark, not CI
+    cs = bench.cases(quick=True, device=torch.device("cpu"))
+    assert {(c.impl, c.mode) for c in cs} >= {("flashrl native", "fwd"), ("flashrl native", "fwd+bwd")}
+    assert sum(c.baseline for c in cs) == 2 and all(c.bytes > 0 for c in cs)
+    monkeypatch.setattr(bench, "_inputs", lambda n, v, **kw: _tiny_inputs(**kw))
+    cs = bench.cases(quick=True, device=torch.device("cpu"))
+    for c in cs:
+        out = c.make()()
+        assert torch.isfinite(out).all(), (c.impl, c.mode)
+    assert bench.cases(quick=True, device=torch.device("meta")) == []
+
+
+def _tiny_inputs(dtype=torch.bfloat16, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(64, 300, generator=g) * 3).to(dtype).requires_grad_(requires_grad), torch.randint(0, 300, (64,), generator=g)

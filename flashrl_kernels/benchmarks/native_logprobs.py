@@ -11,6 +11,7 @@ float64 and the fraction of the machine's copy bandwidth:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -19,8 +20,8 @@ import torch
 try:
     from .harness import Case
 except ImportError:  # the harness lands separately; keep the module usable on its own
+    from collections.abc import Callable
     from dataclasses import dataclass
-    from typing import Callable
 
     @dataclass
     class Case:  # same fields as flashrl_kernels.benchmarks.harness.Case
@@ -99,6 +100,7 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         Case(OP, "eager log_softmax+gather", "fwd", size, _fwd(_peer, n, v), fwd_bytes),
         Case(OP, "flashrl native", "fwd", size, _fwd(_flashrl, n, v), fwd_bytes),
         Case(OP, "eager log_softmax+gather", "fwd+bwd", size, _fwd_bwd(_peer, n, v), 3 * n * v * 2, baseline=True),
+        Case(OP, "torch.compile log_softmax+gather", "fwd+bwd", size, _fwd_bwd(_compiled_peer, n, v), 3 * n * v * 2),
         Case(OP, "flashrl native", "fwd+bwd", size, _fwd_bwd(_flashrl, n, v), 3 * n * v * 2),
     ]
     return out
@@ -145,7 +147,7 @@ def main(argv=None):
     print(native_status(load=True).summary())
     print(f"threads: {torch.get_num_threads()}, size N={n} V={v} bf16, {a.repeats} interleaved repeats")
     bw = copy_bandwidth()
-    print(f"copy bandwidth (read+write): {bw / 1e9:.1f} GB/s")
+    print(f"copy bandwidth (read+write): {bw / 1e9:.1f} GB/s; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')!r}")
     groups = {
         "fwd": {
             "torch.compile": _fwd(_compiled_peer, n, v),
@@ -154,6 +156,7 @@ def main(argv=None):
         },
         "fwd+bwd": {
             "eager": _fwd_bwd(_peer, n, v),
+            "torch.compile": _fwd_bwd(_compiled_peer, n, v),
             "flashrl native": _fwd_bwd(_flashrl, n, v),
         },
     }

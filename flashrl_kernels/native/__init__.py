@@ -19,6 +19,6 @@ from .. import _native
 if not _native.load():
     raise ImportError(f"flashrl native CPU kernels unavailable: {_native.native_status().reason}")
 
-from .logprobs import token_logprobs_backward, token_logprobs_forward  # noqa: E402
+from .logprobs import token_logprobs_backward, token_logprobs_forward
 
-__all__ = ["token_logprobs_forward", "token_logprobs_backward"]
+__all__ = ["token_logprobs_backward", "token_logprobs_forward"]

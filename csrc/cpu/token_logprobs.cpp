@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -169,11 +170,15 @@ RowsView check_rows(const at::Tensor& logits, const at::Tensor& targets, const c
 // on 4 KiB pages cost more than the kernel itself (the kernel zeroes every page).
 // Asking for transparent huge pages on the buffer (a hint; a no-op where THP is
 // off) cuts that cost several-fold. torch does the same for all its allocations
-// when THP_MEM_ALLOC_ENABLE=1.
+// when THP_MEM_ALLOC_ENABLE=1. FLASHRL_NATIVE_HUGEPAGES=0 turns the hint off.
 void advise_huge_pages(void* ptr, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static const bool enabled = [] {
+    const char* e = std::getenv("FLASHRL_NATIVE_HUGEPAGES");
+    return !(e != nullptr && e[0] == '0');
+  }();
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < 4 * kHuge) return;
+  if (!enabled || bytes < 4 * kHuge) return;
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + bytes) & ~(kHuge - 1);
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);

@@ -22,8 +22,9 @@
 // The exponentials are computed in base 2: t = x * (log2(e) / T) - m' is one
 // fused multiply-add from the raw logit x, then 2^t. On AVX-512 2^t is
 // evaluated inline (round, degree-5 polynomial whose coefficients are those of
-// ATen's exp_u20 rescaled to base 2, scalef: max relative error 2e-7); on other
-// CPUs it falls back to ATen's Vectorized<float>::exp_u20. The rounding of the
+// ATen's exp_u20 rescaled to base 2, scalef: max relative error 2e-7), on AVX2
+// likewise with the power of two built in the exponent bits; on other CPUs it
+// falls back to ATen's Vectorized<float>::exp_u20. The rounding of the
 // scalar shift m' to fp32 is compensated exactly in the row's result.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -113,8 +114,23 @@ inline Vec exp2_clamped(const Vec& t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314697f));     // 0.999999701 ln2
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+#elif defined(CPU_CAPABILITY_AVX2)
+  // Same polynomial; 2^n built in the exponent bits. t is clamped at -127 so n + 127 >= 0: results
+  // below 2^-126.5 become exactly 0 (no denormals), as do the t = kT2Min of -inf logits.
+  const __m256 tt = _mm256_max_ps(_mm256_set1_ps(-127.f), t);  // NaN in t passes through
+  const __m256 n = _mm256_round_ps(tt, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(tt, n);
+  __m256 p = _mm256_set1_ps(0.0013215929f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0096318647f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.055507725f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022240f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69314697f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 #else
-  return (t * Vec(static_cast<float>(kLn2d))).exp_u20();
+  // exp_u20 maps NaN to a finite value; (t - t) is 0 for finite t and NaN for NaN / +inf, restoring propagation
+  return (t * Vec(static_cast<float>(kLn2d))).exp_u20() + (t - t);
 #endif
 }
 

@@ -25,6 +25,7 @@ def fresh_status(monkeypatch, tmp_path):
     monkeypatch.setattr(_native, "_status", _native.NativeStatus())
     monkeypatch.setenv("FLASHRL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("FLASHRL_NATIVE", raising=False)
+    monkeypatch.delenv("FLASHRL_BACKEND", raising=False)  # these tests are about the automatic choice
     return tmp_path
 
 
@@ -107,7 +108,8 @@ def test_compiles_once_then_loads_from_cache(tmp_path):
 # ---- selection ----
 
 @needs_native
-def test_auto_selects_native_on_cpu_and_torch_for_ops_native_lacks():
+def test_auto_selects_native_on_cpu_and_torch_for_ops_native_lacks(monkeypatch):
+    monkeypatch.delenv("FLASHRL_BACKEND", raising=False)
     cpu = torch.device("cpu")
     assert _backend.selected_backend(cpu) == "native"
     assert _backend.selected_backend(cpu, "token_logprobs_forward") == "native"

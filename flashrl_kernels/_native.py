@@ -68,7 +68,12 @@ class NativeStatus:
             return "native CPU kernels: not loaded yet (built on first CPU use)"
         if not self.loaded:
             return f"native CPU kernels: unavailable ({self.reason}); CPU ops use the torch backend"
-        how = "from cache" if self.cached else f"compiled in {self.build_seconds:.1f} s"
+        if self.cached:
+            how = "from cache"
+        elif self.build_seconds is not None:
+            how = f"compiled in {self.build_seconds:.1f} s"
+        else:
+            how = "loaded"
         par = "" if self.threads else ", single-threaded (no OpenMP)"
         return f"native CPU kernels: active ({self.capability}{par}, {how}: {self.library})"
 
@@ -163,9 +168,13 @@ def _capability_flags() -> tuple[str, list[str]]:
     return "DEFAULT", ["-DCPU_CAPABILITY=DEFAULT"]
 
 
+_openmp_failed = False  # set when a compiler rejected -fopenmp; the build is retried without it
+
+
 def _openmp_flags() -> list[str]:
     # at::parallel_for is a header template: without OpenMP it runs on one thread
-    if sys.platform.startswith("linux") and os.environ.get("FLASHRL_NATIVE_OPENMP", "1") != "0":
+    if (sys.platform.startswith("linux") and not _openmp_failed
+            and os.environ.get("FLASHRL_NATIVE_OPENMP", "1") != "0"):
         return ["-fopenmp"]
     return []
 
@@ -272,6 +281,7 @@ def load() -> bool:
 
 
 def _load() -> None:
+    global _openmp_failed
     if _disabled():
         raise RuntimeError("disabled by FLASHRL_NATIVE=0")
     srcs = sources()
@@ -280,11 +290,26 @@ def _load() -> None:
     _status.sources = [s.name for s in srcs]
     cap, _ = _capability_flags()
     _status.capability = cap
-    _status.threads = bool(_openmp_flags())
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ / clang++)")
     _status.compiler = cxx
+    try:
+        target = _build(cxx, srcs)
+    except RuntimeError as e:
+        msg = str(e).lower()
+        if not _openmp_flags() or not any(k in msg for k in ("openmp", "omp.h", "gomp", "-lomp")):
+            raise
+        _openmp_failed = True  # e.g. clang without libomp: build single-threaded rather than not at all
+        log.warning("the C++ compiler rejected -fopenmp; building the native kernels single-threaded")
+        target = _build(cxx, srcs)
+    _status.threads = bool(_openmp_flags())
+    torch.ops.load_library(str(target))
+    _status.library = str(target)
+
+
+def _build(cxx: str, srcs: list[Path]) -> Path:
+    """The cached library for these sources and flags, compiled first if missing."""
     key = _build_key(cxx, srcs)
     root = cache_root()
     target = root / f"{LIB_NAME}-{key}" / f"{LIB_NAME}.so"
@@ -299,5 +324,4 @@ def _load() -> None:
                 _compile(cxx, srcs, target)
                 _status.build_seconds = time.perf_counter() - t0
                 log.info("native CPU kernels compiled in %.1f s", _status.build_seconds)
-    torch.ops.load_library(str(target))
-    _status.library = str(target)
+    return target

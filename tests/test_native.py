@@ -16,6 +16,7 @@ from flashrl_kernels.reference import token_logprobs_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = _backend.native_built()
+_LOADED_LIBRARY = _native.native_status().library
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native backend not built here: {_native.native_status().reason}")
 
 
@@ -70,6 +71,24 @@ def test_sources_missing_falls_back(fresh_status, monkeypatch):
     monkeypatch.setattr(_native, "sources", list)
     with pytest.warns(_native.NativeBuildWarning, match="not shipped"):
         assert not _native.load()
+
+
+@needs_native
+def test_compiler_without_openmp_builds_single_threaded(fresh_status, monkeypatch):
+    loaded = _native.native_status().library  # the real library of this process (fixture swapped the status)
+    monkeypatch.setattr(_native, "_openmp_failed", False)
+    calls = []
+
+    def fake_build(cxx, srcs):
+        calls.append(_native._openmp_flags())
+        if "-fopenmp" in calls[-1]:
+            raise RuntimeError("compiling token_logprobs.cpp failed:\nclang: error: unsupported option '-fopenmp'")
+        return Path(_LOADED_LIBRARY)
+
+    monkeypatch.setattr(_native, "_build", fake_build)
+    assert loaded is None and _native.load()
+    assert calls == [["-fopenmp"], []] and fk.native_status().threads is False
+    assert "single-threaded" in fk.native_status().summary()
 
 
 def test_disabled_by_env_is_silent(fresh_status, monkeypatch):

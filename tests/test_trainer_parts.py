@@ -80,5 +80,5 @@ def test_unknown_option_and_yaml(tmp_path):
     cfg = TrainConfig.from_yaml(str(f), {"steps": 9})
     assert cfg.steps == 9 and cfg.rollout_quant == "fp8"
     f.write_text("- 1\n- 2\n")
-    with pytest.raises(ValueError, match="mapping"):
+    with pytest.raises(TypeError, match="mapping"):
         TrainConfig.from_yaml(str(f))

@@ -122,7 +122,7 @@ class TrainConfig:
         )
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - fields)
         if unknown:
@@ -130,13 +130,13 @@ class TrainConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+    def from_yaml(cls, path: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
         import yaml
 
         with open(path) as f:
             values = yaml.safe_load(f) or {}
         if not isinstance(values, dict):
-            raise ValueError(f"config file {path} must hold a mapping of option: value")
+            raise TypeError(f"config file {path} must hold a mapping of option: value")
         values.update(overrides or {})
         return cls.from_dict(values)
 

@@ -75,7 +75,7 @@ def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.T
     """Advantages [B] and the mask of samples that train (GFPO keeps k of G; dynamic sampling drops flat groups)."""
     mode, kwargs = cfg.advantage, {}
     if mode.startswith("gfpo_"):
-        kwargs = dict(gfpo_metric=mode.removeprefix("gfpo_"), gfpo_keep=cfg.gfpo_keep)
+        kwargs = {"gfpo_metric": mode.removeprefix("gfpo_"), "gfpo_keep": cfg.gfpo_keep}
         mode = "gfpo"
     adv, keep = fk.group_advantages(rewards, cfg.group_size, mode=mode, lengths=lengths, **kwargs)
     if cfg.dynamic_sampling:
@@ -86,8 +86,11 @@ def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.T
 
 def _save_checkpoint(path, model, opt, step, rng_state):
     os.makedirs(path, exist_ok=True)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng_state},
-               os.path.join(path, "trainer_state.pt"))
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng_state,
+             "torch_rng": torch.get_rng_state()}
+    tmp = os.path.join(path, "trainer_state.pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(path, "trainer_state.pt"))  # a killed save never leaves a torn checkpoint
 
 
 class Trainer:
@@ -194,6 +197,7 @@ class Trainer:
         self.opt.load_state_dict(state["opt"])
         self.step = state["step"]
         self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
         self.engine.sync(self.model)
 
 

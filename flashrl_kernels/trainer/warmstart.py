@@ -34,10 +34,10 @@ def model_config_of(cfg: TrainConfig) -> TinyModelConfig:
 
 
 def warmstart_key(cfg: TrainConfig) -> str:
-    fields = dict(
-        v=_VERSION, task=dataclasses.asdict(task_of(cfg)), model=dataclasses.asdict(model_config_of(cfg)), steps=cfg.warmstart_steps, lr=cfg.warmstart_lr,
-        batch=cfg.warmstart_batch, seed=cfg.seed,
-    )
+    fields = {
+        "v": _VERSION, "task": dataclasses.asdict(task_of(cfg)), "model": dataclasses.asdict(model_config_of(cfg)),
+        "steps": cfg.warmstart_steps, "lr": cfg.warmstart_lr, "batch": cfg.warmstart_batch, "seed": cfg.seed,
+    }
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

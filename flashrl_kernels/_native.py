@@ -265,7 +265,7 @@ def load() -> bool:
         try:
             _load()
             _status.loaded = True
-        except Exception as e:  # noqa: BLE001 - any failure means: use the torch path, say why
+        except Exception as e:  # any failure means: use the torch path, say why
             _status.reason = str(e) if str(e) else type(e).__name__
             if not _disabled():
                 first = _status.reason.splitlines()[0]

@@ -13,8 +13,17 @@ if not torch.cuda.is_available():
 from flashrl_kernels import _backend
 
 
-def available_backends(device="cpu"):
-    return [b for b in _backend.BACKENDS if _backend.availability(b, torch.device(device)) is None]
+def available_backends(device="cpu", op="token_logprobs_forward"):
+    """Backends that can run `op` (a backend function name) on `device` here."""
+    dev = torch.device(device)
+    out = []
+    for b in _backend.BACKENDS:
+        if _backend.availability(b, dev) is not None:
+            continue
+        if b == "native" and not _backend._native_has(op):
+            continue
+        out.append(b)
+    return out
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import flashrl_kernels as fk
 from flashrl_kernels.reference import quantize_rows_spec
 from flashrl_kernels.reference.quantize import ZERO_ROW_AMAX, dequantize_rows_spec, scaled_linear_spec
 
-BACKENDS = available_backends(DEVICE)
+BACKENDS = available_backends(DEVICE, op="quantize_rows_forward")
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
 QNAME = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 

@@ -1,4 +1,5 @@
 """Chunked PyTorch implementations: the CPU path and the fallback on any device."""
+from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 
-__all__ = ["token_logprobs_forward", "token_logprobs_backward"]
+__all__ = ["token_logprobs_forward", "token_logprobs_backward", "linear_logprobs_stats", "linear_logprobs_backward"]

@@ -1,4 +1,5 @@
 """Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1)."""
+from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 
-__all__ = ["token_logprobs_forward", "token_logprobs_backward"]
+__all__ = ["token_logprobs_forward", "token_logprobs_backward", "linear_logprobs_stats", "linear_logprobs_backward"]

@@ -74,8 +74,8 @@ def linear_logprobs_backward(
     safe = torch.where(owned, target_local, torch.zeros_like(target_local)).long()
     g.scatter_add_(1, safe[:, None], torch.where(owned[:, None], g_lp, 0.0))
     g = g / temperature
-    empty = hidden.new_empty(0)
-    gh = (g @ weight.double()).to(hidden.dtype) if need_hidden else empty
-    gw = (g.T @ hidden.double()).to(weight.dtype) if need_weight else empty
-    gb = g.sum(0).to(bias.dtype) if (need_bias and bias is not None) else empty
+    # gradients not asked for: distinct empty tensors (op outputs must not alias each other)
+    gh = (g @ weight.double()).to(hidden.dtype) if need_hidden else hidden.new_empty(0)
+    gw = (g.T @ hidden.double()).to(weight.dtype) if need_weight else hidden.new_empty(0)
+    gb = g.sum(0).to(bias.dtype) if (need_bias and bias is not None) else hidden.new_empty(0)
     return gh, gw, gb

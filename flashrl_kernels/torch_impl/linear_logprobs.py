@@ -41,7 +41,7 @@ _F32_MIN = torch.finfo(torch.float32).min
 
 # ---- tiles ----
 
-_DEFAULT_TILE_BYTES = {"cpu": 4 << 20, "cuda": 1 << 30}
+_DEFAULT_TILE_BYTES = {"cpu": 8 << 20, "cuda": 1 << 30}
 
 
 def tile_bytes(device: torch.device) -> int:
@@ -60,8 +60,8 @@ def tile_shape(n: int, v: int, device: torch.device) -> tuple[int, int]:
     budget = max(1, tile_bytes(device) // 4)  # fp32 elements
     if device.type == "cpu":
         # all rows when they fit (hidden stays in cache, W streams once), else row blocks
-        rows = min(n, 512)
-        cols = max(64, budget // rows)
+        rows = min(n, 2048)
+        cols = max(256, budget // rows)
     else:
         # GPU: as many rows as possible (GEMM efficiency), vocab in blocks of >= 4096
         cols = min(v, max(4096, budget // max(n, 1)))
@@ -195,7 +195,6 @@ def backward_loop(
     g_lp = grad_logp.float()
     g_h = grad_ent.float() if grad_ent is not None else None
     acc_dtype = torch.float32 if fp32_accumulate else dtype
-    empty = hidden.new_empty(0)
     gb = torch.zeros(v, dtype=torch.float32, device=dev) if need_bias else None
     epi = epilogue or _bwd_epilogue_torch
 
@@ -210,7 +209,7 @@ def backward_loop(
 
     if n <= v:  # vocab outer: grad_hidden spans the outer loop
         gh_acc = torch.zeros((n, hdim), dtype=acc_dtype, device=dev) if need_hidden else None
-        gw = torch.empty_like(weight) if need_weight else empty
+        gw = torch.empty_like(weight) if need_weight else hidden.new_empty(0)
         for v0, v1 in _ranges(v, cols):
             w_c = weight[v0:v1]
             single = rows >= n
@@ -228,10 +227,10 @@ def backward_loop(
                         _add_mm(gw_acc, dz.T, hidden[n0:n1])
             if gw_acc is not None:
                 gw[v0:v1] = gw_acc
-        gh = (gh_acc if gh_acc.dtype == dtype else gh_acc.to(dtype)) if need_hidden else empty
+        gh = (gh_acc if gh_acc.dtype == dtype else gh_acc.to(dtype)) if need_hidden else hidden.new_empty(0)
     else:  # rows outer: grad_weight spans the outer loop
         gw_acc = torch.zeros((v, hdim), dtype=acc_dtype, device=dev) if need_weight else None
-        gh = torch.empty_like(hidden) if need_hidden else empty
+        gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
         for n0, n1 in _ranges(n, rows):
             h_c = hidden[n0:n1]
             gh_part = torch.zeros((n1 - n0, hdim), dtype=torch.float32, device=dev) if need_hidden else None
@@ -243,8 +242,8 @@ def backward_loop(
                     _add_mm(gw_acc[v0:v1], dz.T, h_c)
             if need_hidden:
                 gh[n0:n1] = gh_part
-        gw = (gw_acc if gw_acc.dtype == dtype else gw_acc.to(dtype)) if need_weight else empty
-    gbo = gb.to(bias.dtype) if need_bias else empty
+        gw = (gw_acc if gw_acc.dtype == dtype else gw_acc.to(dtype)) if need_weight else hidden.new_empty(0)
+    gbo = gb.to(bias.dtype) if need_bias else hidden.new_empty(0)
     return gh, gw, gbo
 
 

@@ -3,10 +3,10 @@ from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats, li
 from .logprobs import token_logprobs_backward, token_logprobs_forward, token_logprobs_spec
 
 __all__ = [
-    "token_logprobs_spec",
-    "token_logprobs_forward",
-    "token_logprobs_backward",
-    "linear_token_logprobs_spec",
-    "linear_logprobs_stats",
     "linear_logprobs_backward",
+    "linear_logprobs_stats",
+    "linear_token_logprobs_spec",
+    "token_logprobs_backward",
+    "token_logprobs_forward",
+    "token_logprobs_spec",
 ]

@@ -2,4 +2,9 @@
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 
-__all__ = ["token_logprobs_forward", "token_logprobs_backward", "linear_logprobs_stats", "linear_logprobs_backward"]
+__all__ = [
+    "linear_logprobs_backward",
+    "linear_logprobs_stats",
+    "token_logprobs_backward",
+    "token_logprobs_forward",
+]

@@ -2,7 +2,6 @@
 import os
 import socket
 import sys
-import types
 
 import pytest
 import torch
@@ -227,26 +226,6 @@ def test_vocab_parallel_two_processes(backend, split, tmp_path):
 # ---- benchmark cases run at tiny sizes ----
 
 def _bench_module():
-    try:
-        import flashrl_kernels.benchmarks.harness  # noqa: F401
-    except ImportError:  # harness not merged yet: a stand-in with the documented Case fields
-        from dataclasses import dataclass
-        from typing import Callable
-
-        @dataclass
-        class Case:
-            op: str
-            impl: str
-            mode: str
-            size: str
-            make: Callable
-            bytes: int | None = None
-            flops: int | None = None
-            baseline: bool = False
-
-        stub = types.ModuleType("flashrl_kernels.benchmarks.harness")
-        stub.Case = Case
-        sys.modules["flashrl_kernels.benchmarks.harness"] = stub
     from flashrl_kernels.benchmarks import linear_logprobs
 
     return linear_logprobs

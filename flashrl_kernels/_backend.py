@@ -8,8 +8,12 @@ Choice, highest priority first:
   1. `use_backend(name)` (process-wide, nestable; read when the op runs, so a
      backward that runs after the `with` block uses the backend in force then),
   2. the environment variable FLASHRL_BACKEND (read at every call),
-  3. automatic: CUDA -> triton, CPU -> native if built else torch, other
+  3. automatic: CUDA -> triton, CPU -> native if built (and it implements
+     the op; ops without a native kernel yet run on torch) else torch, other
      devices -> torch.
+
+The native library is built and loaded on the first CPU call that asks for
+it (not at import), see _native.py; if that fails, CPU ops use torch.
 """
 from __future__ import annotations
 
@@ -62,11 +66,14 @@ def triton_installed() -> bool:
 
 
 def native_built() -> bool:
-    try:
-        importlib.import_module(_PACKAGES["native"])
-    except ImportError:
-        return False
-    return True
+    """Whether the native CPU kernels are loaded; builds them on the first call (cached afterwards)."""
+    from . import _native
+
+    return _native.load()
+
+
+def _native_has(op: str) -> bool:
+    return hasattr(importlib.import_module(_PACKAGES["native"]), op)
 
 
 def availability(name: str, device: torch.device) -> str | None:
@@ -88,20 +95,26 @@ def availability(name: str, device: torch.device) -> str | None:
         if device.type != "cpu":
             return f"the native backend runs on CPU tensors only, got a {device.type} tensor"
         if not native_built():
-            return "the native C++ extension is not built (see README: native CPU kernels)"
+            from . import _native
+
+            return f"the native C++ extension is not built: {_native.native_status().reason} (see docs/native.md)"
         return None
     raise ValueError(f"unknown backend {name!r}")
 
 
-def selected_backend(device: torch.device) -> str:
-    """The backend an op on `device` will run with right now."""
+def selected_backend(device: torch.device, op: str | None = None) -> str:
+    """The backend an op on `device` will run with right now.
+
+    With `op` (a backend function name such as "token_logprobs_forward"), the
+    automatic CPU choice skips native when it has no kernel for that op yet.
+    """
     if _override:
         name = _override[-1]
     elif os.environ.get("FLASHRL_BACKEND"):
         name = _check_name(os.environ["FLASHRL_BACKEND"].strip().lower())
     elif device.type == "cuda" and availability("triton", device) is None:
         name = "triton"
-    elif device.type == "cpu" and native_built():
+    elif device.type == "cpu" and native_built() and (op is None or _native_has(op)):
         name = "native"
     else:
         name = "torch"
@@ -113,7 +126,7 @@ def selected_backend(device: torch.device) -> str:
 
 def implementation(op: str, device: torch.device):
     """The function implementing `op` on the selected backend for `device`."""
-    name = selected_backend(device)
+    name = selected_backend(device, op)
     module = importlib.import_module(_PACKAGES[name])
     fn = getattr(module, op, None)
     if fn is None:

@@ -32,7 +32,7 @@ class TrainConfig:
     n_eval: int = 64
     reward: str = "exact"
     # model and warm start
-    hidden_size: int = 96
+    hidden_size: int = 128
     num_layers: int = 3
     warmstart_steps: int = 300
     warmstart_lr: float = 3e-3
@@ -96,6 +96,11 @@ class TrainConfig:
         for name in ("warmstart_steps", "max_new_tokens", "overlong_cache", "beta", "entropy_coef", "grad_clip",
                      "weight_decay", "eps_low", "eps_high", "tis_min"):
             positive(name, zero_ok=True)
+        if self.hidden_size % 4 or self.hidden_size // 4 not in (32, 64, 80, 96, 112, 128, 256):
+            raise ValueError(
+                f"option hidden_size must be 4 x a head size vLLM's CPU attention supports "
+                f"(32, 64, 80, 96, 112, 128, 256), e.g. 128 or 256; got {self.hidden_size}"
+            )
         if self.group_size < 2:
             raise ValueError(f"option group_size must be >= 2 (group advantages need a group), got {self.group_size}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:

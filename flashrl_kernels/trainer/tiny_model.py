@@ -1,38 +1,24 @@
-"""A tiny causal LM (Qwen2 architecture from a config) and a character-level tokenizer.
+"""The trainer's tiny causal LM: Qwen2 architecture from a config, fp32, in memory.
 
-Nothing is downloaded: the tokenizer is built with the `tokenizers` package
-from the task's alphabet, the model from a `Qwen2Config`. Both save with
-`save_pretrained`, so vLLM and transformers load them from a local folder.
+Nothing is downloaded. The tokenizer is the character-level one of
+flashrl_kernels.testing (a byte-level BPE without merges, the format
+transformers and vLLM rebuild a qwen2 tokenizer as, so it round-trips through
+both). Head size 32: vLLM's CPU attention has no kernel below that.
 """
 from __future__ import annotations
 
 import dataclasses
 
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+from ..testing.tiny_models import build_char_tokenizer
 
+__all__ = ["VLLM_CPU_HEAD_SIZES", "TinyModelConfig", "build_char_tokenizer", "build_tiny_qwen2"]
 
-def build_char_tokenizer(alphabet: str):
-    """A PreTrainedTokenizerFast with one token per character of `alphabet` plus pad/bos/eos."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = [PAD, BOS, EOS]
-    vocab = {tok: i for i, tok in enumerate(specials + sorted(set(alphabet)))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left",
-        model_max_length=64,
-    )
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
-    hidden_size: int = 96
+    hidden_size: int = 128
     num_layers: int = 3
     num_heads: int = 4
     num_kv_heads: int = 2

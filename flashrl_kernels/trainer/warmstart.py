@@ -22,7 +22,7 @@ from .data import sft_batch
 from .task import ArithmeticTask
 from .tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_qwen2
 
-_VERSION = 1  # bump when the warm-start recipe changes
+_VERSION = 2  # bump when the warm-start recipe changes
 
 
 def task_of(cfg: TrainConfig) -> ArithmeticTask:

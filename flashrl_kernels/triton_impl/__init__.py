@@ -1,9 +1,12 @@
 """Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1)."""
+from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 from .quantize import dequantize_rows_forward, quantize_rows_forward, scaled_linear_forward
 
 __all__ = [
     "dequantize_rows_forward",
+    "linear_logprobs_backward",
+    "linear_logprobs_stats",
     "quantize_rows_forward",
     "scaled_linear_forward",
     "token_logprobs_backward",

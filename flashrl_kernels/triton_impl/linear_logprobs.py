@@ -1,0 +1,158 @@
+"""Triton fused linear log-probabilities: cuBLAS GEMM per tile + Triton epilogues.
+
+Design (justified in docs/linear_logprobs.md): the tile loops of
+torch_impl/linear_logprobs.py, with each [rows, cols] logits tile produced by
+one library GEMM in fp32 (cuBLAS on a GPU; `out_dtype=float32` where torch
+allows it) and consumed by one Triton kernel, instead of the ~10 elementwise
+torch passes of the torch epilogue:
+
+- forward tile kernel: one program per tile row; adds bias, divides by T,
+  runs an online log-sum-exp over the row's columns (max m, s = sum e^(u-m),
+  w = sum e^(u-m) (u-m)), picks the target's u if this tile owns it, and
+  merges (m, s, w) into the row's running statistics in place. One read of
+  the tile.
+- backward tile kernel: one program per tile row; recomputes p = e^(u - lse)
+  from the saved lse and writes dZ = (g_lp (1[k=y] - p) - g_h p (log p + H)) / T
+  in the operand dtype for the two gradient GEMMs. One read, one write.
+The GEMMs dominate (2NHV flops forward, 6NHV backward); the epilogues add
+4 bytes (forward) and 4 + 2 bytes (backward) per logit of memory traffic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..torch_impl.linear_logprobs import backward_loop, stats_loop
+
+
+@triton.jit
+def _linear_fwd_tile_kernel(
+    Z, stride_z, BIAS, TGT, M, S, W, ZT, COLS,
+    HAS_BIAS: tl.constexpr, TEMPERATURE: tl.constexpr, RETURN_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    z_row = Z + r * stride_z
+    tgt = tl.load(TGT + r).to(tl.int64)
+
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    w = tl.zeros((), tl.float32)
+    for start in range(0, COLS, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < COLS
+        u = tl.load(z_row + offs, mask=mask, other=float("-inf"))
+        if HAS_BIAS:
+            u = u + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+        if TEMPERATURE != 1.0:
+            u = u / TEMPERATURE
+        m_new = tl.maximum(m, tl.max(u, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        e = tl.exp(u - m_ref)
+        if RETURN_ENTROPY:
+            shift = s * tl.where(s > 0, m - m_ref, 0.0)
+            w = alpha * (w + shift) + tl.sum(e * tl.where(e > 0, u - m_ref, 0.0), axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
+        m = m_new
+
+    # the target's u, if this tile holds it
+    owned = (tgt >= 0) & (tgt < COLS)
+    safe = tl.where(owned, tgt, 0)
+    u_t = tl.load(z_row + safe)
+    if HAS_BIAS:
+        u_t = u_t + tl.load(BIAS + safe).to(tl.float32)
+    if TEMPERATURE != 1.0:
+        u_t = u_t / TEMPERATURE
+    zt_old = tl.load(ZT + r)
+    tl.store(ZT + r, tl.where(owned, u_t, zt_old))
+
+    # merge the tile's (m, s, w) into the row's running statistics
+    m_old = tl.load(M + r)
+    s_old = tl.load(S + r)
+    m_new = tl.maximum(m_old, m)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a_old = tl.exp(m_old - m_ref)
+    a_t = tl.exp(m - m_ref)
+    if RETURN_ENTROPY:
+        w_old = tl.load(W + r)
+        w_new = a_old * (w_old + s_old * tl.where(s_old > 0, m_old - m_ref, 0.0)) + a_t * (
+            w + s * tl.where(s > 0, m - m_ref, 0.0)
+        )
+        tl.store(W + r, w_new)
+    tl.store(S + r, s_old * a_old + s * a_t)
+    tl.store(M + r, m_new)
+
+
+@triton.jit
+def _linear_bwd_tile_kernel(
+    Z, stride_z, BIAS, TGT, LSE, ENT, GLP, GH, DZ, stride_dz, COLS,
+    HAS_BIAS: tl.constexpr, TEMPERATURE: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    z_row = Z + r * stride_z
+    dz_row = DZ + r * stride_dz
+    tgt = tl.load(TGT + r).to(tl.int64)
+    lse = tl.load(LSE + r)
+    g_lp = tl.load(GLP + r)
+    if HAS_GH:
+        g_h = tl.load(GH + r)
+        h = tl.load(ENT + r)
+    for start in range(0, COLS, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < COLS
+        u = tl.load(z_row + offs, mask=mask, other=float("-inf"))
+        if HAS_BIAS:
+            u = u + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+        if TEMPERATURE != 1.0:
+            u = u / TEMPERATURE
+        logp = u - lse
+        p = tl.exp(logp)
+        g = -g_lp * p
+        if HAS_GH:
+            g = g - g_h * p * tl.where(p > 0, logp + h, 0.0)
+        g = tl.where(offs == tgt, g + g_lp, g)
+        if TEMPERATURE != 1.0:
+            g = g / TEMPERATURE
+        tl.store(dz_row + offs, g.to(DZ.dtype.element_ty), mask=mask)
+
+
+def _block(cols: int) -> int:
+    return min(triton.next_power_of_2(cols), 4096)
+
+
+def _fwd_epilogue(z, bias_c, tgt_c, temperature, return_entropy, m, s, w, zt):
+    rows, cols = z.shape
+    _linear_fwd_tile_kernel[(rows,)](
+        z, z.stride(0), bias_c if bias_c is not None else z, tgt_c, m, s, w, zt, cols,
+        HAS_BIAS=bias_c is not None, TEMPERATURE=float(temperature), RETURN_ENTROPY=bool(return_entropy),
+        BLOCK=_block(cols), num_warps=8,
+    )
+
+
+def _bwd_epilogue(z, bias_c, tgt_c, temperature, lse, ent, g_lp, g_h, out_dtype):
+    rows, cols = z.shape
+    dz = torch.empty((rows, cols), dtype=out_dtype, device=z.device)
+    has_gh = g_h is not None
+    _linear_bwd_tile_kernel[(rows,)](
+        z, z.stride(0), bias_c if bias_c is not None else z, tgt_c, lse, ent if has_gh else lse,
+        g_lp, g_h if has_gh else g_lp, dz, dz.stride(0), cols,
+        HAS_BIAS=bias_c is not None, TEMPERATURE=float(temperature), HAS_GH=has_gh,
+        BLOCK=_block(cols), num_warps=8,
+    )
+    return dz
+
+
+def linear_logprobs_stats(hidden, weight, bias, target_local, temperature, return_entropy):
+    return stats_loop(hidden, weight, bias, target_local, temperature, return_entropy, epilogue=_fwd_epilogue)
+
+
+def linear_logprobs_backward(
+    grad_logp, grad_ent, hidden, weight, bias, target_local, lse, ent, temperature,
+    need_hidden, need_weight, need_bias, fp32_accumulate,
+):
+    return backward_loop(
+        grad_logp.float().contiguous(), None if grad_ent is None else grad_ent.float().contiguous(),
+        hidden, weight, bias, target_local, lse, ent, temperature,
+        need_hidden, need_weight, need_bias, fp32_accumulate, epilogue=_bwd_epilogue,
+    )

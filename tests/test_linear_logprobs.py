@@ -12,15 +12,13 @@ products are rounded too and the logits error above propagates through p, so
 """
 import pytest
 import torch
-
-import flashrl_kernels as fk
-from flashrl_kernels import _backend
-from flashrl_kernels.reference import linear_token_logprobs_spec
-
 from conftest import DEVICE, available_backends
 
+import flashrl_kernels as fk
+from flashrl_kernels.reference import linear_token_logprobs_spec
+
 # backends that implement this op (native has CPU token_logprobs only; auto-selection skips it here)
-BACKENDS = [b for b in available_backends(DEVICE) if b != "native" or _backend._native_has("linear_logprobs_stats")]
+BACKENDS = available_backends(DEVICE, op="linear_logprobs_stats")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS32 = torch.finfo(torch.float32).eps
 ROUND = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -79,7 +77,7 @@ def assert_close_to_spec(got, ref, hidden, weight, bias, temperature):
         assert g.dtype == x.dtype and g.shape == x.shape, name
         gmax = float(rg.abs().max())
         atol = (4 * max(ROUND[x.dtype], 1e-6) + 2 * tol) * gmax + 1e-12
-        torch.testing.assert_close(g.double(), rg, atol=atol, rtol=0, msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(g.double(), rg, atol=atol, rtol=0, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
 @pytest.fixture(params=["auto", "3x16"], ids=["tile-auto", "tile-3x16"])

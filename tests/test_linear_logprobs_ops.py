@@ -5,15 +5,13 @@ import sys
 
 import pytest
 import torch
-
-import flashrl_kernels as fk
-from flashrl_kernels import _backend
-from flashrl_kernels.reference import linear_token_logprobs_spec
-
 from conftest import DEVICE, available_backends
 
+import flashrl_kernels as fk
+from flashrl_kernels.reference import linear_token_logprobs_spec
+
 # backends that implement this op (native has CPU token_logprobs only; auto-selection skips it here)
-BACKENDS = [b for b in available_backends(DEVICE) if b != "native" or _backend._native_has("linear_logprobs_stats")]
+BACKENDS = available_backends(DEVICE, op="linear_logprobs_stats")
 
 
 def _inputs(n=6, h=20, v=37, dtype=torch.float32, bias=True):
@@ -209,7 +207,8 @@ def _vp_worker(rank, world, port, backend, split, result_dir):
             raise AssertionError("no error for an out-of-range global target")
         except ValueError as e:
             assert f"[0, {v})" in str(e), e
-        open(os.path.join(result_dir, f"ok{rank}"), "w").write("ok")
+        with open(os.path.join(result_dir, f"ok{rank}"), "w") as f:
+            f.write("ok")
     finally:
         dist.destroy_process_group()
 

@@ -19,8 +19,6 @@ the single-process op is fully compile-compatible.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -70,7 +68,7 @@ def _masked_grads(grad_logp, grad_ent, targets, vocab, ignore_index, lse):
 
 @torch.library.custom_op("flashrl::linear_logprobs_stats", mutates_args=())
 def _stats_op(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target_local: Tensor, temperature: float,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, target_local: Tensor, temperature: float,
     return_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fn = implementation("linear_logprobs_stats", hidden.device)
@@ -88,8 +86,8 @@ def _(hidden, weight, bias, target_local, temperature, return_entropy):
 
 @torch.library.custom_op("flashrl::linear_token_logprobs", mutates_args=())
 def _linear_op(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: float,
-    ignore_index: Optional[int], return_entropy: bool, fp32_accumulate: bool,
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+    ignore_index: int | None, return_entropy: bool, fp32_accumulate: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # fp32_accumulate is not used here: it travels in the schema to the backward (setup_context)
     fn = implementation("linear_logprobs_stats", hidden.device)
@@ -109,7 +107,7 @@ def _(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, 
 
 @torch.library.custom_op("flashrl::linear_token_logprobs_backward", mutates_args=())
 def _linear_backward_op(
-    grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+    grad_logp: Tensor, grad_entropy: Tensor | None, hidden: Tensor, weight: Tensor, bias: Tensor | None,
     target_local: Tensor, lse: Tensor, entropy: Tensor, temperature: float, need_hidden: bool,
     need_weight: bool, need_bias: bool, fp32_accumulate: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -291,10 +289,10 @@ def linear_token_logprobs(
     weight: Tensor,
     targets: Tensor,
     *,
-    bias: Optional[Tensor] = None,
+    bias: Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    ignore_index: Optional[int] = None,
+    ignore_index: int | None = None,
     process_group=None,
     fp32_grad_accumulation: bool = True,
 ):

@@ -138,7 +138,7 @@ def _fwd_epilogue_torch(z, bias_c, tgt_c, temperature, return_entropy, m, s, w, 
 def stats_loop(hidden, weight, bias, target_local, temperature, return_entropy, epilogue=None):
     """Running (m, s, w, zt) over all tiles; `epilogue` replaces the torch tile epilogue (Triton)."""
     n, v = hidden.shape[0], weight.shape[0]
-    f32 = dict(dtype=torch.float32, device=hidden.device)
+    f32 = {"dtype": torch.float32, "device": hidden.device}
     m = torch.full((n,), float("-inf"), **f32)
     s = torch.zeros(n, **f32)
     w = torch.zeros(n, **f32)

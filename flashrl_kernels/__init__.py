@@ -3,11 +3,15 @@ __version__ = "0.1.0"
 
 from ._backend import BACKENDS, BackendUnavailableError, selected_backend, use_backend
 from ._checks import set_value_checks
-from .ops import token_logprobs
+from .loss_config import LossConfig, LossOutput
+from .ops import policy_loss, token_logprobs
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "LossConfig",
+    "LossOutput",
+    "policy_loss",
     "selected_backend",
     "set_value_checks",
     "token_logprobs",

@@ -1,4 +1,5 @@
 """Chunked PyTorch implementations: the CPU path and the fallback on any device."""
 from .logprobs import token_logprobs_backward, token_logprobs_forward
+from .policy_loss import policy_loss_backward, policy_loss_forward
 
-__all__ = ["token_logprobs_forward", "token_logprobs_backward"]
+__all__ = ["token_logprobs_forward", "token_logprobs_backward", "policy_loss_forward", "policy_loss_backward"]

@@ -177,30 +177,31 @@ def _canonical(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_l
             flat(ref_logp), flat(entropy), uniform_len)
 
 
-def _check_values(cu, n, packed, loss, inputs, mask):
-    """One host sync: cu_seqlens well formed, loss finite (else name the non-finite input)."""
-    flags = [~torch.isfinite(loss)]
-    if packed:
-        flags += [cu[0] != 0, cu[-1] != n, (cu[1:] < cu[:-1]).any()]
-    flags = torch.stack(flags).tolist()
-    if packed:
-        if flags[1]:
-            raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
-        if flags[2]:
-            raise ValueError(f"cu_seqlens must end at the number of tokens {n}, got {int(cu[-1])}")
-        if flags[3]:
-            i = first_true(cu[1:] < cu[:-1])
-            raise ValueError(f"cu_seqlens must be non-decreasing; entry {i + 1} ({int(cu[i + 1])}) < entry {i} ({int(cu[i])})")
+def _check_cu_seqlens(cu, n):
+    """Packed layout only, before the op (the kernels index with it): one host sync."""
+    flags = torch.stack([cu[0] != 0, cu[-1] != n, (cu[1:] < cu[:-1]).any()]).tolist()
     if flags[0]:
-        for name, t in inputs:
-            if t is None:
-                continue
-            bad = ~torch.isfinite(t)
-            if mask is not None and bad.shape == mask.shape:
-                bad = bad & mask
-            i = first_true(bad)
-            if i is not None:
-                raise ValueError(f"{name} holds a non-finite value at a valid position (flat index {i}): {float(t.reshape(-1)[i])}")
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    if flags[1]:
+        raise ValueError(f"cu_seqlens must end at the number of tokens {n}, got {int(cu[-1])}")
+    if flags[2]:
+        i = first_true(cu[1:] < cu[:-1])
+        raise ValueError(f"cu_seqlens must be non-decreasing; entry {i + 1} ({int(cu[i + 1])}) < entry {i} ({int(cu[i])})")
+
+
+def _check_finite(loss, inputs, mask):
+    """After the op: one host sync; a non-finite loss is traced back to the input that caused it."""
+    if bool(torch.isfinite(loss)):
+        return
+    for name, t in inputs:
+        if t is None:
+            continue
+        bad = ~torch.isfinite(t)
+        if mask is not None and bad.shape == mask.shape:
+            bad = bad & mask
+        i = first_true(bad)
+        if i is not None:
+            raise ValueError(f"{name} holds a non-finite value at a valid position (flat index {i}): {float(t.reshape(-1)[i])}")
 
 
 def policy_loss(
@@ -257,15 +258,17 @@ def policy_loss(
                 "normalizer (e.g. the maximum response length, times the number of sequences for TRL dr_grpo)"
             )
         divisor = float(logp.shape[1])  # the padded length, as verl does
+    checks = value_checks_enabled()
+    if checks and cu_seqlens is not None:
+        _check_cu_seqlens(cu, lp.numel())
     loss, mvec, _, _, _, _ = torch.ops.flashrl.policy_loss(
         lp, old, adv, m, cu, roll, ref, ent, norm_t,
         float(cfg.eps_low), float(cfg.eps_high), float(cfg.dual_clip or 0.0), cfg.importance_sampling_level,
         cfg.tis_mode, float(cfg.tis_min), float(cfg.tis_max), cfg.tis_sequence_reduce, cfg.loss_agg_mode,
         float(cfg.beta), float(cfg.entropy_coef), divisor, int(uniform_len),
     )
-    if value_checks_enabled():
-        _check_values(cu, lp.numel(), cu_seqlens is not None, loss,
-                      (("logp", lp), ("old_logp", old), ("advantages", adv), ("rollout_logp", roll),
-                       ("ref_logp", ref), ("entropy", ent)), m)
+    if checks:
+        _check_finite(loss, (("logp", lp), ("old_logp", old), ("advantages", adv), ("rollout_logp", roll),
+                             ("ref_logp", ref), ("entropy", ent)), m)
     mvec = mvec.detach()
     return LossOutput(loss, {name: mvec[i] for i, name in enumerate(METRIC_NAMES)})

@@ -176,6 +176,16 @@ def policy_loss_spec(logp, old_logp, advantages, *, mask=None, cu_seqlens=None, 
 
 # ---- backend interface (flat tokens + cu_seqlens; see ops/policy_loss.py) ----
 
+def _autograd_enabled():
+    """Undo the autograd-key exclusion that custom-op implementations run under (reference backend only)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradCPU", "AutogradCUDA", "ADInplaceOrView", "AutogradOther", "AutogradFunctionality"):
+        k = getattr(torch._C.DispatchKey, key, None)
+        if k is not None:
+            exclude = exclude.remove(k)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 def _config(eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta, entropy_coef):
     return LossConfig(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip if dual_clip > 0 else None,
@@ -196,30 +206,32 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
         norm = None
     if agg == "seq-mean-token-sum-norm" and norm is None:
         raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs a normalizer")
-    lp = logp.detach().double()
-    ent = entropy.detach().double() if entropy is not None else torch.zeros_like(lp)
-
-    def run(lp_, ent_):
+    lp = logp.detach().double().requires_grad_(True)
+    ent = entropy.detach().double().requires_grad_(True) if entropy is not None else None
+    # A custom op runs below the autograd dispatch keys; re-enable them to differentiate the spec here.
+    with _autograd_enabled(), torch.enable_grad():
         loss, metrics = policy_loss_spec(
-            lp_, old_logp, advantages, mask=mask, cu_seqlens=cu_seqlens, rollout_logp=rollout_logp,
-            ref_logp=ref_logp, entropy=ent_ if entropy is not None else None, config=cfg, normalizer=norm,
+            lp, old_logp, advantages, mask=mask, cu_seqlens=cu_seqlens, rollout_logp=rollout_logp,
+            ref_logp=ref_logp, entropy=ent, config=cfg, normalizer=norm,
         )
-        return loss, metrics
-
-    # torch.func: this runs inside a custom op, below the autograd dispatch key, where .backward() cannot record
-    (g_lp, g_h), (loss, metrics) = torch.func.grad_and_value(run, argnums=(0, 1), has_aux=True)(lp, ent)
-    g_tok = g_lp
-    g_ent = g_h.float() if entropy is not None else logp.new_zeros(0, dtype=torch.float32)
+        inputs = [lp] + ([ent] if ent is not None else [])
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+    g_tok = torch.zeros_like(lp) if grads[0] is None else grads[0]
+    g_ent = logp.new_zeros(0, dtype=torch.float32)
+    if ent is not None:
+        g_ent = (torch.zeros_like(ent) if grads[1] is None else grads[1]).float()
+    loss = loss.detach()
     mvec = torch.stack([metrics[k] for k in METRIC_NAMES]).float().to(logp.device)
     one = torch.ones((), dtype=torch.float32, device=logp.device)
-    return (loss.detach().float().to(logp.device), mvec, g_tok.float(), g_ent,
-            logp.new_zeros(0, dtype=torch.float32), one)
+    nseq = cu_seqlens.numel() - 1
+    seq_coef = logp.new_zeros(nseq if level == "sequence" else 0, dtype=torch.float32)  # all of it is in g_tok
+    return loss.detach().float().to(logp.device), mvec, g_tok.float(), g_ent, seq_coef, one
 
 
 def policy_loss_backward(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, uniform_len):
     g = grad_loss.double() * scale.double()
     grad_logp = g_tok.double() * g
-    if seq_coef.numel():
+    if seq_coef.numel() and bool(seq_coef.ne(0).any()):
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         per_tok = torch.repeat_interleave(seq_coef.double(), lengths)
         if mask is not None:

@@ -138,7 +138,8 @@ def group_advantages(
         dof = (k - 1.0) if unbiased_std else k
         var = (centred * centred).sum(1, keepdim=True) / dof.clamp(min=1.0)
         std = torch.where(k > 1, var.sqrt(), torch.zeros_like(var))
-        adv = centred / (std + std_eps)
+        denom = std + std_eps
+        adv = torch.where(denom > 0, centred / denom.clamp(min=1e-300), torch.zeros_like(centred))  # 0/0 -> 0
     elif mode == "dr_grpo":
         adv = centred
     else:

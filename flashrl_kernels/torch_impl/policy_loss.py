@@ -104,13 +104,13 @@ def _per_token(v, cu_seqlens, n, uniform_len):
     return torch.repeat_interleave(v, lengths, output_size=n)
 
 
-def _tis(log_rho, tis_mode, tis_min, tis_max):
-    rho = torch.exp(log_rho)
+def _tis(rho, tis_mode, tis_min, tis_max):
+    """(applied weight, outside the bounds) for raw ratios rho (not modified)."""
     outside = (rho < tis_min) | (rho > tis_max)
     if tis_mode.endswith("truncate"):
-        w = rho.clamp_(tis_min, tis_max)
+        w = rho.clamp(tis_min, tis_max)
     else:
-        w = rho.masked_fill_(outside, 0.0)
+        w = rho.masked_fill(outside, 0.0)
     return w, outside
 
 
@@ -141,21 +141,19 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
         tis_lr = old_logp.to(f32) - rollout_logp.to(f32)
         if inv is not None:
             tis_lr.masked_fill_(inv, 0.0)
-    cols = [log_ratio] + ([tis_lr] if seq_tis else [])
     if valid is not None:
-        cols.append(valid.to(f32))
-    sums = _seq_sums(torch.stack(cols, 1), cu_seqlens, uniform_len)
-    if valid is not None:
-        n_i = sums[:, -1]
+        n_i = _seq_sums(valid.to(f32), cu_seqlens, uniform_len)
     else:
         n_i = (cu_seqlens[1:] - cu_seqlens[:-1]).to(f32)
     n_i1 = n_i.clamp(min=1.0)
-    s_i = torch.exp(sums[:, 0] / n_i1)
+    s_i = torch.exp(_seq_sums(log_ratio, cu_seqlens, uniform_len) / n_i1)
     nonempty = n_i > 0
     seq_w = seq_out = None
     if seq_tis:
-        d = sums[:, 1] if tis_reduce == "sum" else sums[:, 1] / n_i1
-        seq_w, seq_out = _tis(d, tis_mode, tis_min, tis_max)
+        d = _seq_sums(tis_lr, cu_seqlens, uniform_len)
+        if tis_reduce == "mean":
+            d = d / n_i1
+        seq_w, seq_out = _tis(torch.exp(d), tis_mode, tis_min, tis_max)
     alpha = (1.0 / n_i1) if agg == "seq-mean-token-mean" else None
 
     adv_per_seq = advantages.numel() != n
@@ -179,6 +177,7 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
         r = torch.exp(log_ratio)
     else:
         r = tok(s_i).to(f32)
+    rho_t = torch.exp(tis_lr) if tis_lr is not None else None  # rollout -> old ratio, one exp for TIS and mismatch KL
     pos = a_t > 0
     neg = a_t < 0
     rc = torch.where(pos, r.clamp(max=hi), r.clamp(lo, c))
@@ -190,7 +189,7 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
             w_t = tok(seq_w)
             out_t = tok(seq_out)
         else:
-            w_t, out_t = _tis(tis_lr, tis_mode, tis_min, tis_max)
+            w_t, out_t = _tis(rho_t, tis_mode, tis_min, tis_max)
         loss_t.mul_(w_t)
         g_pg.mul_(w_t)
     else:
@@ -263,7 +262,7 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
         n_out = count(out_t)
     sum_mkl = zero
     if tis_lr is not None:
-        sum_mkl = (torch.exp(tis_lr) - 1.0 - tis_lr).sum()  # masked positions give exp(0) - 1 - 0 = 0
+        sum_mkl = (rho_t - 1.0 - tis_lr).sum()  # masked positions give exp(0) - 1 - 0 = 0
     stats = torch.stack([
         n_tok, nonempty.sum().to(f32), loss_t.sum(),
         count(neg & (r < lo)), count(pos & (r > hi)), count(neg & (r > c)) if dual_clip > 0 else zero,

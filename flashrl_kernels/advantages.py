@@ -11,7 +11,8 @@ The float64 spec is reference/advantages.py; see docs/policy_loss.md.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple, Optional
 
 import torch
 

@@ -22,8 +22,8 @@ def make_inputs(b=4, t=9, *, per_token_adv=False, zero_len=True, spread=0.3, see
         x[~mask] = float("nan")  # padding values must never matter
     if per_token_adv:
         adv[~mask] = float("nan")
-    return dict(logp=logp, old_logp=old, advantages=adv, mask=mask, rollout_logp=roll, ref_logp=ref, entropy=ent,
-                lengths=lengths)
+    return {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask, "rollout_logp": roll, "ref_logp": ref, "entropy": ent,
+                "lengths": lengths}
 
 
 def to_packed(inp):

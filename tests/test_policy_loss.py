@@ -3,12 +3,11 @@ import itertools
 
 import pytest
 import torch
+from _policy_loss_util import assert_close_masked, make_inputs, run, spec, to_packed
+from conftest import available_backends
 
 import flashrl_kernels as fk
 from flashrl_kernels.loss_config import LOSS_AGG_MODES, METRIC_NAMES, TIS_MODES
-
-from _policy_loss_util import assert_close_masked, make_inputs, run, spec, to_packed
-from conftest import available_backends
 
 BACKENDS = available_backends("cpu")  # reference, torch, triton (interpreter) on this machine
 FAST = [b for b in BACKENDS if b != "reference"]
@@ -91,11 +90,11 @@ def test_packed_with_mask_and_int64_cu(backend):
 @pytest.mark.parametrize("backend", FAST)
 def test_gspo_forms_same_forward_different_backward(backend):
     inp = make_inputs(b=4, t=12, per_token_adv=True, spread=0.1)
-    base = dict(eps_low=0.05, eps_high=0.05, loss_agg_mode="seq-mean-token-mean")
+    base = {"eps_low": 0.05, "eps_high": 0.05, "loss_agg_mode": "seq-mean-token-mean"}
     seq = fk.LossConfig(importance_sampling_level="sequence", **base)
     st = fk.LossConfig(importance_sampling_level="sequence_token", **base)
-    l1, m1, g1, _ = run(inp, seq, backend, keys=())
-    l2, m2, g2, _ = run(inp, st, backend, keys=())
+    l1, _m1, g1, _ = run(inp, seq, backend, keys=())
+    l2, _m2, g2, _ = run(inp, st, backend, keys=())
     torch.testing.assert_close(l1, l2)
     valid = inp["mask"]
     assert (g1[valid] - g2[valid]).abs().max() > 1e-4  # per-token advantages: the two gradients differ
@@ -116,7 +115,7 @@ def test_dual_clip_caps_negative_advantages(backend):
     old = logp - 2.0  # r = e^2 = 7.39 > c = 3
     adv = torch.tensor([-1.5, 0.5, -0.25])
     cfg = fk.LossConfig(eps_low=0.2, eps_high=0.2, dual_clip=3.0)
-    inp = dict(logp=logp, old_logp=old, advantages=adv)
+    inp = {"logp": logp, "old_logp": old, "advantages": adv}
     loss, metrics, g, _ = run(inp, cfg, backend, keys=())
     # A < 0: loss -c*A, no gradient; A > 0: clipped at 1 + eps_high, no gradient
     expected = (3.0 * 1.5 - 1.2 * 0.5 + 3.0 * 0.25) / 3
@@ -125,7 +124,7 @@ def test_dual_clip_caps_negative_advantages(backend):
     torch.testing.assert_close(metrics["clip_frac_dual"], torch.tensor(2 / 3))
     torch.testing.assert_close(metrics["clip_frac_high"], torch.tensor(1 / 3))
     # without dual clip the A < 0 rows are unbounded: -A * r
-    l2, m2, g2, _ = run(inp, fk.LossConfig(), backend, keys=())
+    l2, m2, _g2, _ = run(inp, fk.LossConfig(), backend, keys=())
     r = torch.exp(torch.tensor(2.0))
     torch.testing.assert_close(l2, ((1.5 * r - 1.2 * 0.5 + 0.25 * r) / 3).float())
     assert m2["clip_frac_dual"] == 0
@@ -139,7 +138,7 @@ def test_tis_boundaries_are_inclusive(backend, mode):
     old = logp.clone()
     roll = old.clone()  # rho = exp(0) = 1 exactly
     adv = torch.tensor([1.0, -1.0])
-    inp = dict(logp=logp, old_logp=old, advantages=adv, rollout_logp=roll)
+    inp = {"logp": logp, "old_logp": old, "advantages": adv, "rollout_logp": roll}
     # rho == tis_min == tis_max == 1: inside, weight 1
     l_in, m_in, _, _ = run(inp, fk.LossConfig(tis_mode=mode, tis_min=1.0, tis_max=1.0), backend, keys=("rollout_logp",))
     l_none, _, _, _ = run(inp, fk.LossConfig(), backend, keys=())
@@ -212,9 +211,9 @@ def test_backends_agree_at_moderate_size():
     total = int(lengths.sum())
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     logp = torch.randn(total) * 0.3 - 1
-    inp = dict(logp=logp, old_logp=logp + torch.randn(total) * 0.01, advantages=torch.randn(6), cu_seqlens=cu,
-               rollout_logp=logp + torch.randn(total) * 0.01, ref_logp=logp + torch.randn(total) * 0.05,
-               entropy=torch.rand(total))
+    inp = {"logp": logp, "old_logp": logp + torch.randn(total) * 0.01, "advantages": torch.randn(6), "cu_seqlens": cu,
+               "rollout_logp": logp + torch.randn(total) * 0.01, "ref_logp": logp + torch.randn(total) * 0.05,
+               "entropy": torch.rand(total)}
     cfg = fk.LossConfig(eps_high=0.28, importance_sampling_level="sequence", tis_mode="token_truncate",
                         loss_agg_mode="seq-mean-token-mean", beta=0.04, entropy_coef=0.01, dual_clip=3.0)
     e_loss, e_m, e_g, e_ge = spec(inp, cfg)

@@ -29,7 +29,7 @@ def batch():
     ref = logp + torch.randn(B, T) * 0.2
     ent = torch.rand(B, T) * 2
     adv = torch.randn(B)
-    return dict(logp=logp, old=old, roll=roll, ref=ref, ent=ent, adv=adv, mask=mask)
+    return {"logp": logp, "old": old, "roll": roll, "ref": ref, "ent": ent, "adv": adv, "mask": mask}
 
 
 def _ours(b, cfg, *, normalizer=None, roll=False, ref=False, ent=False):

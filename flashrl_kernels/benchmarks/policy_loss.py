@@ -45,7 +45,7 @@ def eager_loss(logp, old_logp, advantages, mask, rollout_logp, ref_logp):
     return loss, metrics
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_eager():
     return torch.compile(eager_loss, dynamic=False)
 
@@ -84,7 +84,7 @@ def _maker(fn, b, t, device, backward):
         def step():
             if backward:
                 x.grad = None
-                loss, metrics = fn(x, old, adv, mask, roll, ref)
+                loss, _metrics = fn(x, old, adv, mask, roll, ref)
                 loss.backward()
             else:
                 with torch.no_grad():

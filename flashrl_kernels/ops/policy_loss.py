@@ -27,7 +27,14 @@ import torch
 from torch import Tensor
 
 from .._backend import implementation
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, first_true, value_checks_enabled
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_same_device,
+    check_tensor,
+    first_true,
+    value_checks_enabled,
+)
 from ..loss_config import METRIC_NAMES, LossConfig, LossOutput
 
 

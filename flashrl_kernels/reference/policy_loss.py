@@ -59,9 +59,9 @@ def tis_weight(log_rho, cfg: LossConfig):
 
 
 def policy_loss_spec(logp, old_logp, advantages, *, mask=None, cu_seqlens=None, rollout_logp=None, ref_logp=None,
-                     entropy=None, config: LossConfig = LossConfig(), normalizer=None):
+                     entropy=None, config: LossConfig | None = None, normalizer=None):
     """Returns (loss, metrics) in float64; differentiable w.r.t. logp and entropy."""
-    cfg = config
+    cfg = LossConfig() if config is None else config
     nseq = logp.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     lp = _split(logp, mask, cu_seqlens, nseq)
     old = _split(old_logp, mask, cu_seqlens, nseq)
@@ -241,4 +241,4 @@ def policy_loss_backward(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, sc
     return grad_logp.float(), grad_ent.float()
 
 
-__all__ = ["policy_loss_spec", "policy_loss_forward", "policy_loss_backward", "tis_weight"]
+__all__ = ["policy_loss_backward", "policy_loss_forward", "policy_loss_spec", "tis_weight"]

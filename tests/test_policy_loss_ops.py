@@ -204,3 +204,26 @@ def test_metrics_are_detached_tensors_without_sync():
     assert list(out.metrics) == list(METRIC_NAMES)
     assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in out.metrics.values())
     assert out.loss.requires_grad and out.loss.dtype == torch.float32 and out.loss.dim() == 0
+
+
+def test_compile_fullgraph_packed_with_tensor_normalizer():
+    torch._dynamo.reset()
+    inp = to_packed(make_inputs(b=4, t=6))
+    cfg = fk.LossConfig(importance_sampling_level="sequence_token", tis_mode="sequence_mask",
+                        tis_sequence_reduce="mean", loss_agg_mode="seq-mean-token-sum-norm", tis_max=3.0)
+
+    def f(logp, old, adv, cu, roll, norm):
+        return fk.policy_loss(logp, old, adv, cu_seqlens=cu, rollout_logp=roll, config=cfg, normalizer=norm).loss
+
+    args = (inp["old_logp"], inp["advantages"], inp["cu_seqlens"], inp["rollout_logp"], torch.tensor(24.0))
+    x1 = inp["logp"].clone().requires_grad_(True)
+    x2 = inp["logp"].clone().requires_grad_(True)
+    l1 = torch.compile(f, fullgraph=True, backend="aot_eager")(x1, *args)
+    l1.backward()
+    l2 = f(x2, *args)
+    l2.backward()
+    torch.testing.assert_close(l1, l2)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    e_loss, _, e_g, _ = spec(inp, cfg, normalizer=24.0, keys=("rollout_logp",))
+    torch.testing.assert_close(l1.double(), e_loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x1.grad.double(), e_g, atol=1e-7, rtol=1e-5)

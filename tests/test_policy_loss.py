@@ -224,3 +224,15 @@ def test_backends_agree_at_moderate_size():
         torch.testing.assert_close(ge.double(), e_ge, atol=1e-8, rtol=1e-5)
         for k in METRIC_NAMES:
             torch.testing.assert_close(m[k].double(), e_m[k], atol=1e-4, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_batch_without_tokens(backend):
+    x = torch.zeros(0, requires_grad=True)
+    cfg = fk.LossConfig(importance_sampling_level="sequence", tis_mode="token_mask")
+    with fk.use_backend(backend):
+        out = fk.policy_loss(x, torch.zeros(0), torch.randn(2), cu_seqlens=torch.tensor([0, 0, 0]),
+                             rollout_logp=torch.zeros(0), config=cfg)
+        out.loss.backward()
+    assert out.loss.item() == 0.0 and x.grad.shape == (0,)
+    assert out.metrics["num_seqs"] == 0 and all(torch.isfinite(v) for v in out.metrics.values())

@@ -183,7 +183,8 @@ def test_non_finite_valid_input_is_named():
     with pytest.raises(ValueError, match="old_logp"):
         fk.policy_loss(logp, old, adv, mask=mask)
     # the same NaN in a padding position is ignored (make_inputs already fills padding with NaN)
-    out = fk.policy_loss(*_good()[:3], mask=_good()[3])
+    logp, old, adv, mask = _good()
+    out = fk.policy_loss(logp, old, adv, mask=mask)
     assert torch.isfinite(out.loss)
 
 

@@ -242,23 +242,26 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
 
     r_tok = r if level == "token" else torch.exp(log_ratio)
     big = torch.tensor(math.inf, dtype=f32, device=dev)
-    if valid is None:
-        sum_r, max_r, min_r = r_tok.sum(), r_tok.max(), r_tok.min()
-    else:
-        sum_r = r_tok.sum() - (n - n_tok)  # masked positions hold exp(0) = 1
-        max_r = torch.where(valid, r_tok, -big).max()
-        min_r = torch.where(valid, r_tok, big).min()
+
+    def vmax(x, keep):  # max over the kept entries; -inf when there are none (also for an empty batch)
+        x = x if keep is None else torch.where(keep, x, -big)
+        return x.amax(0) if x.numel() else -big
+
+    def vmin(x, keep):
+        x = x if keep is None else torch.where(keep, x, big)
+        return x.amin(0) if x.numel() else big
+
+    max_r, min_r = vmax(r_tok, valid), vmin(r_tok, valid)
+    sum_r = r_tok.sum() if valid is None else r_tok.sum() - (n - n_tok)  # masked positions hold exp(0) = 1
     if w_t is None:
         sum_w, min_w, max_w, n_out = n_tok, torch.ones_like(zero), torch.ones_like(zero), zero
     elif seq_tis:
         sum_w = (seq_w * n_i).sum()
-        min_w = torch.where(nonempty, seq_w, big).min()
-        max_w = torch.where(nonempty, seq_w, -big).max()
+        min_w, max_w = vmin(seq_w, nonempty), vmax(seq_w, nonempty)
         n_out = (seq_out.to(f32) * n_i).sum()
     else:
         sum_w = w_t.sum() if vf is None else (w_t * vf).sum()
-        min_w = w_t.min() if valid is None else torch.where(valid, w_t, big).min()
-        max_w = w_t.max() if valid is None else torch.where(valid, w_t, -big).max()
+        min_w, max_w = vmin(w_t, valid), vmax(w_t, valid)
         n_out = count(out_t)
     sum_mkl = zero
     if tis_lr is not None:

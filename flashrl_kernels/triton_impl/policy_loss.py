@@ -4,7 +4,8 @@ Why one program per sequence: every per-sequence quantity the loss needs
 (valid-token count for seq-mean-token-mean, the GSPO sequence ratio s_i, the
 sequence TIS ratio, the GSPO gradient sum) becomes a scalar local to one
 program, so there are no atomics, no second launch, and results are
-deterministic. A program walks its sequence in BLOCK-token tiles; when a
+deterministic. A program walks its sequence in BLOCK-token tiles (BLOCK from the typical
+sequence length, 256..2048, known on the host without a sync); when a
 per-sequence value is needed before the token terms (GSPO, sequence TIS,
 seq-mean-token-mean) it makes a first pass over the tiles (the sequence's few
 KiB stay in L2 for the second). Each program writes one row of statistics
@@ -246,7 +247,11 @@ def _policy_loss_bwd_kernel(
             tl.store(GRAD_ENT + offs, tl.load(G_ENT + offs, mask=inb, other=0.0) * gs, mask=inb)
 
 
-_BLOCK = 1024
+def _block(n: int, nseq: int, uniform_len: int) -> tuple[int, int]:
+    """Tile size from the (typical) sequence length, known on the host without a sync; and num_warps."""
+    typical = uniform_len if uniform_len > 0 else max(1, n // max(nseq, 1))
+    block = min(2048, max(256, triton.next_power_of_2(typical)))
+    return block, 8 if block >= 2048 else 4
 
 
 def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,
@@ -264,6 +269,7 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
     seq_coef = torch.empty(nseq if lev == 1 else 0, dtype=f32, device=dev)
     stats = torch.empty((nseq, N_STATS), dtype=f32, device=dev)
     mask_arg = mask.view(torch.uint8) if mask is not None else logp
+    block, warps = _block(n, nseq, uniform_len)
     _policy_loss_fwd_kernel[(nseq,)](
         logp, old_logp, advantages, mask_arg, cu_seqlens,
         rollout_logp if rollout_logp is not None else logp, ref_logp if ref_logp is not None else logp,
@@ -273,7 +279,7 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
         HAS_ENT=has_ent, HAS_DUAL=dual_clip > 0, NEED_PASS1=(lev != 0 or tis >= 3 or seq_mean),
         EPS_LOW=float(eps_low), EPS_HIGH=float(eps_high), DUAL_C=float(dual_clip) if dual_clip > 0 else math.inf,
         TIS_MIN=float(tis_min), TIS_MAX=float(tis_max), BETA=float(beta), ENT_COEF=float(entropy_coef),
-        NSTATS=N_STATS, BLOCK=_BLOCK, num_warps=4,
+        NSTATS=N_STATS, BLOCK=block, num_warps=warps,
     )
     loss, metrics, scale = finalize(combine_stats(stats), normalizer, divisor, agg)
     return loss, metrics, g_tok, g_ent, seq_coef, scale
@@ -285,10 +291,11 @@ def policy_loss_backward(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, sc
     grad_logp = torch.empty_like(g_tok)
     has_ent = g_ent.numel() > 0
     grad_ent = torch.empty_like(g_ent)
+    block, warps = _block(n, nseq, uniform_len)
     _policy_loss_bwd_kernel[(nseq,)](
         g_tok, g_ent if has_ent else g_tok, seq_coef if seq_coef.numel() else g_tok,
         mask.view(torch.uint8) if mask is not None else g_tok, cu_seqlens, grad_loss.reshape(()).float(), scale,
         grad_logp, grad_ent if has_ent else grad_logp, n,
-        HAS_SEQ=seq_coef.numel() > 0, HAS_MASK=mask is not None, HAS_ENT=has_ent, BLOCK=_BLOCK, num_warps=4,
+        HAS_SEQ=seq_coef.numel() > 0, HAS_MASK=mask is not None, HAS_ENT=has_ent, BLOCK=block, num_warps=warps,
     )
     return grad_logp, grad_ent

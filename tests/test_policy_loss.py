@@ -216,14 +216,26 @@ def test_backends_agree_at_moderate_size():
                "entropy": torch.rand(total)}
     cfg = fk.LossConfig(eps_high=0.28, importance_sampling_level="sequence", tis_mode="token_truncate",
                         loss_agg_mode="seq-mean-token-mean", beta=0.04, entropy_coef=0.01, dual_clip=3.0)
+    _check_multi_tile(inp, cfg)
+    inp["mask"] = torch.rand(total) > 0.2  # and with a mask inside the packed sequences, GSPO-token, sequence TIS
+    inp["advantages"] = torch.randn(total)
+    cfg = fk.LossConfig(importance_sampling_level="sequence_token", tis_mode="sequence_mask", tis_min=0.9,
+                        tis_max=1.1, tis_sequence_reduce="mean", loss_agg_mode="token-mean", beta=0.04)
+    _check_multi_tile(inp, cfg)
+
+
+def _check_multi_tile(inp, cfg):
     e_loss, e_m, e_g, e_ge = spec(inp, cfg)
+    m = inp.get("mask")
+    if m is not None:
+        e_g, e_ge = e_g * m, e_ge * m
     for backend in FAST:
-        loss, m, g, ge = run(inp, cfg, backend)
+        loss, met, g, ge = run(inp, cfg, backend)
         torch.testing.assert_close(loss.double(), e_loss, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(g.double(), e_g, atol=1e-7, rtol=1e-4)
         torch.testing.assert_close(ge.double(), e_ge, atol=1e-8, rtol=1e-5)
         for k in METRIC_NAMES:
-            torch.testing.assert_close(m[k].double(), e_m[k], atol=1e-4, rtol=1e-4, msg=k)
+            torch.testing.assert_close(met[k].double(), e_m[k], atol=1e-4, rtol=1e-4, msg=k)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -98,7 +98,6 @@ def measure_ceilings(report: Report):
     dst = torch.empty_like(src)
     ms = report.time_ms(lambda: dst.copy_(src))
     report.ceilings["copy_gbps"] = 2 * n * 4 / (ms * 1e-3) / 1e9
-    del src, dst
     m = 8192 if dev.type == "cuda" else 256
     a = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
     b = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
@@ -158,14 +157,14 @@ def section_token_logprobs(report: Report):
             from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
 
             impls["liger cross_entropy"] = lambda z, t: -LigerCrossEntropyFunction.apply(z, t, -100, 0.0, 0.0, "none")[0]
-        except Exception:
-            pass
+        except Exception as exc:  # an optional baseline: say why it is missing
+            print(f"liger-kernel baseline skipped: {type(exc).__name__}: {exc}")
         try:
             from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
 
             impls["flash-attn cross_entropy"] = lambda z, t: -cross_entropy_loss(z, t)[0]
-        except Exception:
-            pass
+        except Exception as exc:
+            print(f"flash-attn baseline skipped: {type(exc).__name__}: {exc}")
 
     es = 2
     fwd_bytes = n * v * es + n * 12
@@ -176,14 +175,14 @@ def section_token_logprobs(report: Report):
     try:
         for name, fn in impls.items():
             try:
-                ms = report.time_ms(lambda: fn(logits, targets))
-                peak = report.peak_extra_mb(lambda: fn(logits, targets))
+                ms = report.time_ms(lambda fn=fn: fn(logits, targets))
+                peak = report.peak_extra_mb(lambda fn=fn: fn(logits, targets))
                 r = report.row(sec, f"fwd {name}", ms, fwd_bytes / (ms * 1e-3) / 1e9, peak_mb=peak)
                 if name == "flashrl[triton]":
                     report.target(sec, "fwd % copy BW", r["% BW"] or 0.0, 85)
                 xg = logits.clone().requires_grad_(True)
 
-                def step():
+                def step(xg=xg, fn=fn):
                     xg.grad = None
                     fn(xg, targets).backward(g_lp)
 
@@ -192,7 +191,6 @@ def section_token_logprobs(report: Report):
                 r = report.row(sec, f"fwd+bwd {name}", ms, bwd_bytes / (ms * 1e-3) / 1e9, peak_mb=peak)
                 if name == "flashrl[triton]":
                     report.target(sec, "fwd+bwd % copy BW", r["% BW"] or 0.0, 80)
-                del xg
             except Exception as exc:
                 report.row(sec, name, note=f"error: {type(exc).__name__}: {str(exc)[:80]}")
     finally:

@@ -17,7 +17,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

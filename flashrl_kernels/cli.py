@@ -74,6 +74,75 @@ def _cmd_bench(args) -> int:
     return 1 if any(r.error and r.impl.startswith("flashrl") for r in results) else 0
 
 
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (--rollout-quant int8, --dynamic-sampling true, ...)."""
+    import dataclasses
+
+    from flashrl_kernels.trainer.config import TrainConfig
+
+    group = parser.add_argument_group("training options (override the config file)")
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default
+        kind = {bool: _parse_bool, int: int, float: float, str: str}[type(default)]
+        if "None" in str(f.type):
+            kind = _parse_optional_float
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}", type=kind, default=None,
+                           metavar="FLOAT|none" if kind is _parse_optional_float else type(default).__name__.upper(),
+                           help=f"default: {default!r}")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parse_optional_float(text: str):
+    return None if text.lower() in ("none", "null", "off") else float(text)
+
+
+def _train_config(args, base: dict):
+    from flashrl_kernels.trainer.config import TrainConfig
+
+    overrides = {k.removeprefix("opt_"): v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    values = dict(base, **overrides)
+    if getattr(args, "config", None):
+        return TrainConfig.from_yaml(args.config, values)
+    return TrainConfig.from_dict(values)
+
+
+def _run_training(cfg, resume=None) -> int:
+    from flashrl_kernels.trainer.run import format_summary, train
+
+    summary = train(cfg, resume=resume)
+    print()
+    print(format_summary(summary))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    try:
+        cfg = _train_config(args, {"out_dir": "runs/demo"})
+    except ValueError as exc:
+        print(f"flashrl-kernels demo: {exc}", file=sys.stderr)
+        return 2
+    print("flashrl-kernels demo: GRPO on the built-in arithmetic task, INT8 rollout with TIS "
+          "(tiny Qwen2, CPU-sized; see `flashrl-kernels train --help` for every option)", flush=True)
+    return _run_training(cfg)
+
+
+def _cmd_train(args) -> int:
+    try:
+        cfg = _train_config(args, {"out_dir": "runs/train"})
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"flashrl-kernels train: {exc}", file=sys.stderr)
+        return 2
+    return _run_training(cfg, resume=args.resume)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashrl-kernels", description="flashrl_kernels: kernels for RL training of LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -90,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     bench.set_defaults(func=_cmd_bench)
+
+    demo = sub.add_parser("demo", help="a short GRPO run of the reference trainer: INT8 rollout + TIS (CPU, minutes)")
+    _add_train_flags(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    tr = sub.add_parser("train", help="the reference GRPO/GSPO trainer with every option")
+    tr.add_argument("--config", default=None, metavar="FILE.yaml", help="options as a YAML mapping")
+    tr.add_argument("--resume", default=None, metavar="DIR", help="resume from a checkpoint folder (<out_dir>/checkpoint)")
+    _add_train_flags(tr)
+    tr.set_defaults(func=_cmd_train)
     return p
 
 

@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flashrl_kernels import _backend  # noqa: E402
+from flashrl_kernels import _backend
 
 
 def available_backends(device="cpu"):

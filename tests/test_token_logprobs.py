@@ -10,12 +10,11 @@ rounds), so under TRITON_INTERPRET the bf16 allowance is one ulp, 2^-7.
 """
 import pytest
 import torch
+from conftest import DEVICE, available_backends
 
 import flashrl_kernels as fk
 from flashrl_kernels import _backend
 from flashrl_kernels.reference import token_logprobs_spec
-
-from conftest import DEVICE, available_backends
 
 BACKENDS = available_backends(DEVICE)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

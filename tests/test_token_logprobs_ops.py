@@ -1,12 +1,11 @@
 """token_logprobs as a torch op: opcheck, torch.compile, backend selection, bad inputs."""
 import pytest
 import torch
+from conftest import DEVICE, available_backends
 
 import flashrl_kernels as fk
 from flashrl_kernels import _backend
 from flashrl_kernels.reference import token_logprobs_spec
-
-from conftest import DEVICE, available_backends
 
 BACKENDS = available_backends(DEVICE)
 
@@ -84,24 +83,21 @@ def test_env_override(monkeypatch):
 
 
 def test_unknown_backend_name():
-    with pytest.raises(ValueError, match="unknown backend"):
-        with fk.use_backend("cuda-magic"):
-            pass
+    with pytest.raises(ValueError, match="unknown backend"), fk.use_backend("cuda-magic"):
+        pass
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with fk.use_backend("triton"):
-        with pytest.raises(fk.BackendUnavailableError, match="TRITON_INTERPRET=1"):
-            fk.token_logprobs(torch.randn(2, 5), torch.tensor([1, 2]))
+    with fk.use_backend("triton"), pytest.raises(fk.BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        fk.token_logprobs(torch.randn(2, 5), torch.tensor([1, 2]))
 
 
 def test_native_unbuilt_is_a_clear_error():
     if _backend.native_built():
         pytest.skip("native extension is built here; the error path cannot be reached")
-    with fk.use_backend("native"):
-        with pytest.raises(fk.BackendUnavailableError, match="native"):
-            fk.token_logprobs(torch.randn(2, 5), torch.tensor([1, 2]))
+    with fk.use_backend("native"), pytest.raises(fk.BackendUnavailableError, match="native"):
+        fk.token_logprobs(torch.randn(2, 5), torch.tensor([1, 2]))
 
 
 # ---- bad inputs ----

@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -117,7 +117,7 @@ def cuda_peak_extra_mb(fn: Callable[[], object], device: torch.device) -> float:
 def _memory_in_subprocess(module: str, index: int, quick: bool, device: torch.device, timeout: float) -> float:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     cmd = [sys.executable, "-m", "flashrl_kernels.benchmarks.harness", module, str(index), str(int(quick)), str(device)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}")
     return float(out.stdout.strip().splitlines()[-1])
@@ -234,7 +234,7 @@ def format_table(results: list[Result], copy_gbps: float | None = None) -> str:
         ]
         rows.append(row)
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
     out = [line(headers), line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
     out.append("* baseline; speedup = baseline time / time; mem vs base = peak extra memory / baseline's")

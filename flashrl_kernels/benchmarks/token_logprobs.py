@@ -22,7 +22,7 @@ def naive(logits, targets):
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_naive():
     return torch.compile(naive, dynamic=False)
 

@@ -8,8 +8,6 @@ is saved for the backward and not exposed.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -29,7 +27,7 @@ from .._checks import (
 
 @torch.library.custom_op("flashrl::token_logprobs", mutates_args=())
 def _token_logprobs_op(
-    logits: Tensor, targets: Tensor, temperature: float, ignore_index: Optional[int], return_entropy: bool
+    logits: Tensor, targets: Tensor, temperature: float, ignore_index: int | None, return_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     fwd = implementation("token_logprobs_forward", logits.device)
     logp, ent, lse = fwd(logits, targets, temperature, ignore_index, return_entropy)
@@ -46,13 +44,13 @@ def _(logits, targets, temperature, ignore_index, return_entropy):
 @torch.library.custom_op("flashrl::token_logprobs_backward", mutates_args=())
 def _token_logprobs_backward_op(
     grad_logprobs: Tensor,
-    grad_entropy: Optional[Tensor],
+    grad_entropy: Tensor | None,
     logits: Tensor,
     targets: Tensor,
     lse: Tensor,
     entropy: Tensor,
     temperature: float,
-    ignore_index: Optional[int],
+    ignore_index: int | None,
 ) -> Tensor:
     bwd = implementation("token_logprobs_backward", logits.device)
     grad = bwd(
@@ -132,7 +130,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    ignore_index: Optional[int] = None,
+    ignore_index: int | None = None,
 ):
     """Log-probabilities (and entropy) of `targets` under softmax(logits / temperature).
 

@@ -2,4 +2,4 @@
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 from .policy_loss import policy_loss_backward, policy_loss_forward
 
-__all__ = ["token_logprobs_forward", "token_logprobs_backward", "policy_loss_forward", "policy_loss_backward"]
+__all__ = ["policy_loss_backward", "policy_loss_forward", "token_logprobs_backward", "token_logprobs_forward"]

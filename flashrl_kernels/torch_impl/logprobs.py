@@ -22,7 +22,7 @@ _F32_MIN = torch.finfo(torch.float32).min
 
 
 def chunk_bytes() -> int:
-    return int(os.environ.get("FLASHRL_CHUNK_BYTES", 8 << 20))
+    return int(os.environ.get("FLASHRL_CHUNK_BYTES", str(8 << 20)))
 
 
 def _rows_per_chunk(v: int, temporaries: int) -> int:

@@ -1,0 +1,144 @@
+"""Trainer configuration: one flat dataclass, validated at construction.
+
+Every option can come from a YAML file (`flashrl-kernels train --config F`)
+or a flag (`--rollout-quant int8`); unknown options and impossible
+combinations fail at start with a message naming the option.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+ROLLOUT_QUANTS = ("bf16", "int8", "fp8")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gfpo_length", "gfpo_token_efficiency", "gfpo_adaptive")
+LEVELS = ("token", "sequence", "sequence_token")
+TIS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+REWARD_NAMES = ("exact", "calculation")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # run
+    seed: int = 0
+    steps: int = 30
+    out_dir: str = "runs/demo"
+    eval_every: int = 5
+    # task
+    max_operand: int = 10
+    ops: str = "+-"
+    n_eval: int = 64
+    reward: str = "exact"
+    # model and warm start
+    hidden_size: int = 96
+    num_layers: int = 3
+    warmstart_steps: int = 300
+    warmstart_lr: float = 3e-3
+    warmstart_batch: int = 64
+    cache_dir: str = ""  # default: $FLASHRL_CACHE_DIR or ~/.cache/flashrl_kernels
+    # rollout
+    rollout_engine: str = "auto"
+    rollout_quant: str = "int8"
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    max_new_tokens: int = 0  # 0: derived from the task
+    # advantages and filtering
+    advantage: str = "grpo"
+    gfpo_keep: int = 4  # GFPO: kept per group (adaptive: for the hardest groups)
+    dynamic_sampling: bool = False
+    overlong_cache: int = 0  # DAPO soft overlong penalty window in tokens; 0 = off
+    # loss
+    level: str = "token"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = 3.0
+    tis: str = "token_truncate"
+    tis_max: float = 2.0
+    tis_min: float = 0.0
+    loss_agg: str = "token-mean"
+    beta: float = 0.0
+    entropy_coef: float = 0.0
+    fused_logprobs: bool = False  # linear_token_logprobs from hidden states (never builds the logits)
+    # optimisation
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    num_iterations: int = 2  # optimizer passes over each rollout batch
+    minibatches: int = 2
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def choice(name, allowed):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"option {name}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+        def positive(name, zero_ok=False):
+            value = getattr(self, name)
+            if not (value >= 0 if zero_ok else value > 0):
+                raise ValueError(f"option {name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+        choice("rollout_engine", ROLLOUT_ENGINES)
+        choice("rollout_quant", ROLLOUT_QUANTS)
+        choice("advantage", ADVANTAGES)
+        choice("level", LEVELS)
+        choice("tis", TIS_MODES)
+        choice("loss_agg", AGG_MODES)
+        choice("reward", REWARD_NAMES)
+        for name in ("steps", "prompts_per_step", "group_size", "num_iterations", "minibatches", "eval_every",
+                     "temperature", "lr", "warmstart_lr", "warmstart_batch", "hidden_size", "num_layers"):
+            positive(name)
+        for name in ("warmstart_steps", "max_new_tokens", "overlong_cache", "beta", "entropy_coef", "grad_clip",
+                     "weight_decay", "eps_low", "eps_high", "tis_min"):
+            positive(name, zero_ok=True)
+        if self.group_size < 2:
+            raise ValueError(f"option group_size must be >= 2 (group advantages need a group), got {self.group_size}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"option dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.tis != "none" and self.tis_min > self.tis_max:
+            raise ValueError(f"option tis_min ({self.tis_min}) must not exceed tis_max ({self.tis_max})")
+        if self.advantage.startswith("gfpo") and not 1 <= self.gfpo_keep < self.group_size:
+            raise ValueError(f"option gfpo_keep must be in [1, group_size) for GFPO, got {self.gfpo_keep}")
+        if (self.prompts_per_step * self.group_size) % self.minibatches:
+            raise ValueError(
+                f"option minibatches ({self.minibatches}) must divide prompts_per_step * group_size "
+                f"({self.prompts_per_step * self.group_size})"
+            )
+        if self.rollout_engine == "hf" and self.rollout_quant != "bf16":
+            raise ValueError(
+                f"option rollout_quant={self.rollout_quant!r} needs the vLLM engine; "
+                "the Hugging Face rollout runs the trainer's own weights (use rollout_quant='bf16')"
+            )
+
+    @property
+    def cache_root(self) -> str:
+        return self.cache_dir or os.environ.get("FLASHRL_CACHE_DIR") or os.path.join(
+            os.path.expanduser("~"), ".cache", "flashrl_kernels"
+        )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ValueError(f"unknown option(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        import yaml
+
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise TypeError(f"config file {path} must hold a mapping of option: value")
+        values.update(overrides or {})
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

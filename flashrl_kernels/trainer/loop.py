@@ -1,0 +1,206 @@
+"""The GRPO/GSPO training loop, end to end on the package's own ops.
+
+One step:
+  1. rollout: prompts_per_step prompts x group_size samples from the engine,
+     with the engine's logprobs of the sampled tokens;
+  2. rewards, group advantages (GRPO / Dr. GRPO / RLOO / GFPO), optional
+     DAPO dynamic-sampling mask and overlong penalty;
+  3. the trainer's old-policy logprobs (no grad), optional reference logprobs;
+  4. num_iterations passes of minibatch updates with policy_loss (TIS between
+     rollout and trainer, clipping, the configured level and aggregation),
+     gradient clipping, AdamW;
+  5. weight sync into the engine (timed).
+Held-out accuracy (greedy, trainer's weights) every eval_every steps.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import time
+
+import torch
+
+import flashrl_kernels as fk
+
+from .config import TrainConfig
+from .data import accuracy
+from .rollout import make_rollout
+from .task import REWARDS
+from .warmstart import task_of, warm_start
+
+IGNORE = -100
+
+
+def build_batch(prompt_ids, completion_ids, rollout_logprobs, pad_id):
+    """Right-padded [B, W] ids, attention mask, [B, W-1] targets (IGNORE off the completion) and rollout logps."""
+    seqs = [p + c for p, c in zip(prompt_ids, completion_ids)]
+    b, w = len(seqs), max(len(s) for s in seqs)
+    ids = torch.full((b, w), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, w), dtype=torch.long)
+    targets = torch.full((b, w - 1), IGNORE, dtype=torch.long)
+    rollout_lp = torch.zeros((b, w - 1), dtype=torch.float32)
+    for i, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, rollout_logprobs)):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(p + c)
+        attn[i, :n] = 1
+        if c:  # token k of the completion sits at len(p)+k and is predicted from position len(p)+k-1
+            targets[i, len(p) - 1: n - 1] = torch.tensor(c)
+            rollout_lp[i, len(p) - 1: n - 1] = torch.tensor(lp, dtype=torch.float32)
+    return ids, attn, targets, rollout_lp
+
+
+def sequence_logprobs(model, ids, attn, targets, temperature, fused: bool, with_entropy: bool):
+    """Per-token logprobs (and entropy) of `targets` under the model, [B, W-1] fp32."""
+    if fused:
+        hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
+        return fk.linear_token_logprobs(
+            hidden, model.lm_head.weight, targets, temperature=temperature, return_entropy=with_entropy,
+            ignore_index=IGNORE,
+        )
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # strided slice: not copied
+    return fk.token_logprobs(logits, targets, temperature=temperature, return_entropy=with_entropy, ignore_index=IGNORE)
+
+
+def loss_config(cfg: TrainConfig):
+    return fk.LossConfig(
+        eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
+        importance_sampling_level=cfg.level, tis_mode=cfg.tis, tis_min=cfg.tis_min, tis_max=cfg.tis_max,
+        loss_agg_mode=cfg.loss_agg, beta=cfg.beta, entropy_coef=cfg.entropy_coef,
+    )
+
+
+def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.Tensor):
+    """Advantages [B] and the mask of samples that train (GFPO keeps k of G; dynamic sampling drops flat groups)."""
+    mode, kwargs = cfg.advantage, {}
+    if mode.startswith("gfpo_"):
+        kwargs = {"gfpo_metric": mode.removeprefix("gfpo_"), "gfpo_keep": cfg.gfpo_keep}
+        mode = "gfpo"
+    adv, keep = fk.group_advantages(rewards, cfg.group_size, mode=mode, lengths=lengths, **kwargs)
+    if cfg.dynamic_sampling:
+        informative = ~fk.dynamic_sampling_mask(rewards, cfg.group_size)
+        keep = keep & informative
+    return adv * keep, keep
+
+
+def _save_checkpoint(path, model, opt, step, rng_state):
+    os.makedirs(path, exist_ok=True)
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng_state,
+             "torch_rng": torch.get_rng_state()}
+    tmp = os.path.join(path, "trainer_state.pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(path, "trainer_state.pt"))  # a killed save never leaves a torn checkpoint
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, log=print):
+        self.cfg = cfg
+        self.log = log
+        self.task = task_of(cfg)
+        self.train_set, self.eval_set = self.task.splits()
+        self.reward_fn = REWARDS[cfg.reward]
+        self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_chars + 1
+        torch.manual_seed(cfg.seed)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.perf_counter()
+        self.model_dir, cached = warm_start(cfg, progress=getattr(log, "warmstart_progress", None))
+        self.warmstart_seconds = time.perf_counter() - t0
+        self.warmstart_cached = cached
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model.train()
+        self.ref_model = None
+        if cfg.beta > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.rng = random.Random(cfg.seed)
+        self.step = 0
+        self.loss_cfg = loss_config(cfg)
+        self.engine = make_rollout(cfg, self.model, self.tokenizer, self.model_dir)
+        self.history: list[dict] = []
+
+    # -- one RL step --
+    def rl_step(self) -> dict:
+        cfg, tok = self.cfg, self.tokenizer
+        m: dict = {"step": self.step + 1}
+        problems = self.rng.sample(self.train_set, cfg.prompts_per_step)
+
+        t0 = time.perf_counter()
+        roll = self.engine.generate([p.prompt for p in problems], cfg.group_size, cfg.temperature,
+                                    self.max_new_tokens, seed=cfg.seed * 100003 + self.step)
+        m["time_rollout"] = time.perf_counter() - t0
+
+        answers = [p.answer for p in problems for _ in range(cfg.group_size)]
+        rewards = torch.tensor([self.reward_fn(t, a) for t, a in zip(roll.texts, answers)], dtype=torch.float32)
+        lengths = torch.tensor([len(c) for c in roll.completion_ids], dtype=torch.float32)
+        if cfg.overlong_cache:
+            rewards = rewards + fk.overlong_penalty(lengths, self.max_new_tokens, cfg.overlong_cache)
+        adv, keep = compute_advantages(cfg, rewards, lengths)
+        m.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+                 response_length=float(lengths.mean()), kept_fraction=float(keep.float().mean()))
+
+        ids, attn, targets, rollout_lp = build_batch(roll.prompt_ids, roll.completion_ids, roll.rollout_logprobs,
+                                                     tok.pad_token_id)
+        mask = (targets != IGNORE) & keep[:, None]
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            old_lp = sequence_logprobs(self.model, ids, attn, targets, cfg.temperature, cfg.fused_logprobs, False)
+            ref_lp = None
+            if self.ref_model is not None:
+                ref_lp = sequence_logprobs(self.ref_model, ids, attn, targets, cfg.temperature, cfg.fused_logprobs,
+                                           False)
+        m["time_logprob"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        b = ids.shape[0]
+        per_mb = b // cfg.minibatches
+        agg: dict[str, list[float]] = {}
+        for _ in range(cfg.num_iterations):
+            order = torch.randperm(b)
+            for k in range(cfg.minibatches):
+                idx = order[k * per_mb:(k + 1) * per_mb]
+                if not mask[idx].any():
+                    continue
+                lp, ent = sequence_logprobs(self.model, ids[idx], attn[idx], targets[idx], cfg.temperature,
+                                            cfg.fused_logprobs, True)
+                out = fk.policy_loss(
+                    lp, old_lp[idx], adv[idx], mask=mask[idx], rollout_logp=rollout_lp[idx],
+                    ref_logp=None if ref_lp is None else ref_lp[idx], entropy=ent, config=self.loss_cfg,
+                )
+                self.opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+                self.opt.step()
+                for name, val in [("loss", out.loss.detach()), ("grad_norm", gnorm), *out.metrics.items()]:
+                    agg.setdefault(name, []).append(float(val))
+                masked = mask[idx]
+                agg.setdefault("entropy", []).append(float((ent.detach() * masked).sum() / masked.sum()))
+        m["time_update"] = time.perf_counter() - t0
+        m.update({k: sum(v) / len(v) for k, v in agg.items()})
+
+        m["time_sync"] = self.engine.sync(self.model)
+        self.step += 1
+        return m
+
+    def evaluate(self) -> float:
+        return accuracy(self.model, self.tokenizer, self.eval_set, self.max_new_tokens)
+
+    def save(self, path: str) -> None:
+        _save_checkpoint(path, self.model, self.opt, self.step, self.rng.getstate())
+
+    def load(self, path: str) -> None:
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step = state["step"]
+        self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.engine.sync(self.model)
+
+
+def write_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

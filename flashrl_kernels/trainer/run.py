@@ -1,0 +1,148 @@
+"""Run a training job: progress bar, held-out evaluation, JSONL log, figure, results table."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+from .config import TrainConfig
+from .loop import Trainer, write_jsonl
+
+CURVES = [
+    ("reward_mean", "train reward"),
+    ("eval_accuracy", "held-out accuracy"),
+    ("response_length", "response length (tokens)"),
+    ("mismatch_kl", "rollout/trainer mismatch KL (k3)"),
+    ("tis_clip_fraction", "TIS truncated fraction"),
+    ("entropy", "entropy"),
+]
+
+
+def plot(history: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    keys = CURVES + [("clip_fraction", "PPO clip fraction")]
+    for ax, (key, title) in zip(axes.flat, keys):
+        pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "eval_accuracy" else None, markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    ax = axes.flat[-1]
+    steps = [h["step"] for h in history if "time_rollout" in h]
+    bottom = [0.0] * len(steps)
+    for key in ("time_rollout", "time_logprob", "time_update", "time_sync"):
+        vals = [h[key] for h in history if "time_rollout" in h]
+        ax.bar(steps, vals, bottom=bottom, label=key.removeprefix("time_"))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_title("time per step (s)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _pick(m: dict, *names):
+    for n in names:
+        if n in m:
+            return m[n]
+    return None
+
+
+def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, say=print) -> dict:
+    """Run the job described by cfg; returns a summary dict (also written to <out_dir>/summary.json)."""
+    from tqdm import tqdm
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    log_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if not resume and os.path.exists(log_path):
+        os.remove(log_path)
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+
+    t_start = time.perf_counter()
+    trainer = Trainer(cfg)
+    if resume:
+        trainer.load(resume)
+        say(f"resumed from {resume} at step {trainer.step}")
+    engine_desc = (
+        f"vLLM, {cfg.rollout_quant} weights" if trainer.engine.name == "vllm"
+        else "Hugging Face generate (the trainer's fp32 weights" + (
+            "; vLLM is not installed, so no quantized rollout)" if cfg.rollout_engine == "auto" else ")")
+    )
+    say(f"warm start: {'cache hit' if trainer.warmstart_cached else 'trained'} in {trainer.warmstart_seconds:.1f}s "
+        f"({trainer.model_dir})")
+    say(f"rollout engine: {engine_desc}")
+    say(f"RL: {cfg.advantage} advantages, {cfg.level}-level ratios, TIS {cfg.tis}, {cfg.loss_agg}, "
+        f"{cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples")
+
+    acc_start = trainer.evaluate()
+    if not resume:
+        write_jsonl(log_path, {"step": 0, "eval_accuracy": acc_start})
+        trainer.history.append({"step": 0, "eval_accuracy": acc_start})
+    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="RL", unit="step", disable=not progress, dynamic_ncols=True)
+    acc = acc_start
+    ckpt = os.path.join(cfg.out_dir, "checkpoint")
+    while trainer.step < cfg.steps:
+        m = trainer.rl_step()
+        if trainer.step % cfg.eval_every == 0 or trainer.step == cfg.steps:
+            acc = m["eval_accuracy"] = trainer.evaluate()
+            trainer.save(ckpt)
+        trainer.history.append(m)
+        write_jsonl(log_path, m)
+        bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{acc:.2f}", len=f"{m['response_length']:.1f}")
+        bar.update(1)
+    bar.close()
+
+    steps = [h for h in trainer.history if "time_rollout" in h]
+    med = lambda k: statistics.median(h[k] for h in steps) if steps else float("nan")
+    summary = {
+        "accuracy_start": acc_start,
+        "accuracy_end": acc,
+        "response_length_end": steps[-1]["response_length"] if steps else None,
+        "mismatch_kl_median": statistics.median(
+            v for h in steps if (v := _pick(h, "mismatch_kl")) is not None
+        ) if any(_pick(h, "mismatch_kl") is not None for h in steps) else None,
+        "tis_clip_fraction_median": statistics.median(
+            v for h in steps if (v := _pick(h, "tis_clip_fraction")) is not None
+        ) if any(_pick(h, "tis_clip_fraction") is not None for h in steps) else None,
+        "time_rollout_s": med("time_rollout"),
+        "time_logprob_s": med("time_logprob"),
+        "time_update_s": med("time_update"),
+        "time_sync_s": med("time_sync"),
+        "wall_s": time.perf_counter() - t_start,
+        "engine": engine_desc,
+        "log": log_path,
+        "figure": os.path.join(cfg.out_dir, "curves.png"),
+    }
+    plot(trainer.history, summary["figure"])
+    with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    rows = [
+        ("held-out accuracy, warm start", f(s["accuracy_start"], ".3f")),
+        ("held-out accuracy, after RL", f(s["accuracy_end"], ".3f")),
+        ("response length (tokens), last step", f(s["response_length_end"], ".2f")),
+        ("mismatch KL rollout vs trainer (median)", f(s["mismatch_kl_median"], ".2e")),
+        ("TIS truncated fraction (median)", f(s["tis_clip_fraction_median"], ".3f")),
+        ("time per step: rollout / logprob / update / sync (s, median)",
+         " / ".join(f(s[k], ".3f") for k in ("time_rollout_s", "time_logprob_s", "time_update_s", "time_sync_s"))),
+        ("wall time (s)", f(s["wall_s"], ".0f")),
+        ("rollout engine", s["engine"]),
+        ("metrics log", s["log"]),
+        ("figure", s["figure"]),
+    ]
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)

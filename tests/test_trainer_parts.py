@@ -1,0 +1,84 @@
+"""Parts of the reference trainer: task and rewards, tokenizer, batch layout, config validation."""
+import pytest
+import torch
+
+from flashrl_kernels.trainer.config import TrainConfig
+from flashrl_kernels.trainer.loop import IGNORE, build_batch
+from flashrl_kernels.trainer.task import ArithmeticTask, calculation_reward, exact_match_reward, parse_answer
+
+
+def test_splits_are_disjoint_and_seeded():
+    task = ArithmeticTask(max_operand=12, ops="+-", n_eval=40, seed=3)
+    train, held = task.splits()
+    assert len(held) == 40 and len(train) + len(held) == 2 * 12 * 12
+    assert not {p.prompt for p in train} & {p.prompt for p in held}
+    assert task.splits() == ArithmeticTask(max_operand=12, ops="+-", n_eval=40, seed=3).splits()
+    assert task.splits()[1] != ArithmeticTask(max_operand=12, ops="+-", n_eval=40, seed=4).splits()[1]
+    for p in held:
+        assert eval(p.prompt[:-1]) == p.answer  # the answer is the arithmetic value of the prompt
+
+
+def test_rewards():
+    assert exact_match_reward("12", 12) == 1.0 and exact_match_reward(" 12", 12) == 1.0
+    assert exact_match_reward("13", 12) == 0.0 and exact_match_reward("1 2", 12) == 0.0
+    assert parse_answer("-7") == -7 and parse_answer("7-") is None and parse_answer("") is None
+    # r = 1 - 0.5 min(|a-b|, 1) - 0.5 min(|a-b| / (|b| + eps), 1)
+    assert calculation_reward("10", 10) == 1.0
+    assert calculation_reward("11", 10) == pytest.approx(1 - 0.5 - 0.5 * 0.1)
+    assert calculation_reward("0", 10) == pytest.approx(0.0, abs=1e-6)
+    assert calculation_reward("x", 10) == 0.0
+    assert calculation_reward("1", 0) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_char_tokenizer_round_trip():
+    from flashrl_kernels.trainer.tiny_model import build_char_tokenizer
+
+    tok = build_char_tokenizer("0123456789-+*=")
+    ids = tok("12+7=").input_ids
+    assert ids[0] == tok.bos_token_id and len(ids) == 6
+    assert tok.decode(ids, skip_special_tokens=True) == "12+7="
+
+
+def test_build_batch_aligns_targets_with_the_logits_that_predict_them():
+    prompts = [[1, 5, 6], [1, 7]]
+    comps = [[8, 2], [9, 9, 2]]
+    lps = [[-0.1, -0.2], [-0.3, -0.4, -0.5]]
+    ids, attn, targets, rlp = build_batch(prompts, comps, lps, pad_id=0)
+    assert ids.tolist() == [[1, 5, 6, 8, 2], [1, 7, 9, 9, 2]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    # position j of logits[:, :-1] predicts ids[:, j+1]; only completion tokens are targets
+    assert targets.tolist() == [[IGNORE, IGNORE, 8, 2], [IGNORE, 9, 9, 2]]
+    torch.testing.assert_close(rlp, torch.tensor([[0, 0, -0.1, -0.2], [0, -0.3, -0.4, -0.5]]))
+    m = targets != IGNORE
+    assert torch.equal(ids[:, 1:][m], targets[m])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rollout_quant": "int4"}, "rollout_quant"),
+        ({"advantage": "ppo"}, "advantage"),
+        ({"group_size": 1}, "group_size"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"tis_min": 3.0, "tis_max": 2.0}, "tis_min"),
+        ({"advantage": "gfpo_length", "gfpo_keep": 8, "group_size": 8}, "gfpo_keep"),
+        ({"minibatches": 3}, "minibatches"),
+        ({"rollout_engine": "hf", "rollout_quant": "int8"}, "needs the vLLM engine"),
+        ({"lr": 0.0}, "lr"),
+    ],
+)
+def test_bad_config_names_the_option(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_unknown_option_and_yaml(tmp_path):
+    with pytest.raises(ValueError, match="unknown option.*learning_rate"):
+        TrainConfig.from_dict({"learning_rate": 1.0})
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 7\nrollout_quant: fp8\n")
+    cfg = TrainConfig.from_yaml(str(f), {"steps": 9})
+    assert cfg.steps == 9 and cfg.rollout_quant == "fp8"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(TypeError, match="mapping"):
+        TrainConfig.from_yaml(str(f))

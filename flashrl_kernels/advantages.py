@@ -2,7 +2,7 @@
 
 group_advantages   GRPO (mean/std in group), Dr. GRPO (mean only), RLOO (leave one out), each
                    optionally over a GFPO-filtered subset of every group.
-dynamic_sampling_mask  DAPO: which samples belong to a group whose rewards are not all equal.
+dynamic_sampling_mask  DAPO: which samples belong to a group whose rewards are all equal (to drop).
 overlong_penalty   DAPO soft overlong punishment.
 
 Rewards are laid out group after group: rewards[g * G + j] is sample j of prompt g.
@@ -149,12 +149,15 @@ def group_advantages(
 
 
 def dynamic_sampling_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """DAPO dynamic sampling: [N] bool, False for every sample of a group whose rewards are all equal
-    (such a group has zero advantage everywhere and carries no gradient)."""
+    """DAPO dynamic sampling: [N] bool, True for every sample of a group whose rewards are all equal.
+
+    Such a group has zero advantage everywhere and carries no gradient; DAPO drops it (and samples
+    more prompts): train on `~dynamic_sampling_mask(rewards, G)`.
+    """
     _check_group(rewards, group_size)
     rg = rewards.view(-1, group_size)
-    informative = rg.amax(1) != rg.amin(1)
-    return informative[:, None].expand_as(rg).reshape(-1)
+    flat = rg.amax(1) == rg.amin(1)
+    return flat[:, None].expand_as(rg).reshape(-1)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int, *, factor: float = 1.0) -> torch.Tensor:

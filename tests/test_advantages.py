@@ -91,9 +91,15 @@ def test_gfpo_adaptive_k():
 
 def test_dynamic_sampling_mask():
     r = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.2])
-    assert fk.dynamic_sampling_mask(r, 3).tolist() == [False] * 6 + [True] * 3
+    assert fk.dynamic_sampling_mask(r, 3).tolist() == [True] * 6 + [False] * 3  # True: all equal, drop
     r = torch.randn(20)
-    assert fk.dynamic_sampling_mask(r, 4).all()
+    assert not fk.dynamic_sampling_mask(r, 4).any()
+    # the dropped groups are exactly those where GRPO advantages vanish
+    r = (torch.rand(40) > 0.7).float()
+    flat = fk.dynamic_sampling_mask(r, 4)
+    adv = fk.group_advantages(r, 4).advantages
+    assert torch.all(adv[flat] == 0)
+    assert torch.all(adv.view(10, 4).abs().sum(1)[~flat.view(10, 4)[:, 0]] > 0)
 
 
 def test_overlong_penalty():
@@ -137,3 +143,23 @@ def test_bad_inputs():
         fk.overlong_penalty(torch.tensor([10]), 100, 101)
     with pytest.raises(TypeError, match="max_len"):
         fk.overlong_penalty(torch.tensor([10]), 100.0, 10)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "gfpo_length", "gfpo_token_efficiency",
+                                       "gfpo_adaptive"])
+def test_reference_trainer_advantage_options(advantage):
+    """The reference trainer's advantage options all map onto group_advantages / dynamic_sampling_mask."""
+    from flashrl_kernels.trainer.config import TrainConfig
+    from flashrl_kernels.trainer.loop import compute_advantages
+
+    cfg = TrainConfig(advantage=advantage, group_size=8, gfpo_keep=4, dynamic_sampling=True)
+    r = torch.tensor([1.0] * 8 + [0.0, 1.0] * 4 + [0.0] * 7 + [1.0])
+    lengths = torch.randint(3, 30, (24,))
+    adv, keep = compute_advantages(cfg, r, lengths)
+    assert not keep[:8].any()  # the all-equal group is dropped
+    per_group = keep.view(3, 8).sum(1)[1:]
+    if advantage.startswith("gfpo"):
+        assert torch.all(per_group <= 4) and torch.all(per_group >= 1)
+    else:
+        assert torch.all(per_group == 8)
+    assert torch.all(adv[~keep] == 0) and adv[keep].abs().sum() > 0

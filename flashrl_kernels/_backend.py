@@ -112,10 +112,16 @@ def selected_backend(device: torch.device) -> str:
 
 
 def implementation(op: str, device: torch.device):
-    """The function implementing `op` on the selected backend for `device`."""
+    """The function implementing `op` on the selected backend for `device`.
+
+    When the backend was chosen automatically and is the native one, ops it does not (yet) implement
+    run on the torch backend; a backend forced by use_backend() or FLASHRL_BACKEND never falls back.
+    """
     name = selected_backend(device)
     module = importlib.import_module(_PACKAGES[name])
     fn = getattr(module, op, None)
+    if fn is None and name == "native" and not _override and not os.environ.get("FLASHRL_BACKEND"):
+        fn = getattr(importlib.import_module(_PACKAGES["torch"]), op, None)
     if fn is None:
         raise BackendUnavailableError(f"flashrl backend {name!r} has no implementation of {op}")
     return fn

@@ -85,3 +85,15 @@ def assert_close_masked(actual, expected, mask, atol, rtol=1e-5):
         a = torch.where(mask, a, 0.0)
         e = torch.where(mask, e, 0.0)
     torch.testing.assert_close(a, e, atol=atol, rtol=rtol)
+
+
+def loss_backends(device="cpu"):
+    """Backends that can run here and implement policy_loss (the native CPU backend may not, yet)."""
+    import importlib
+
+    from flashrl_kernels import _backend
+
+    from conftest import available_backends
+
+    return [b for b in available_backends(device)
+            if hasattr(importlib.import_module(_backend._PACKAGES[b]), "policy_loss_forward")]

@@ -3,13 +3,12 @@ import itertools
 
 import pytest
 import torch
-from _policy_loss_util import assert_close_masked, make_inputs, run, spec, to_packed
-from conftest import available_backends
+from _policy_loss_util import assert_close_masked, loss_backends, make_inputs, run, spec, to_packed
 
 import flashrl_kernels as fk
 from flashrl_kernels.loss_config import LOSS_AGG_MODES, METRIC_NAMES, TIS_MODES
 
-BACKENDS = available_backends("cpu")  # reference, torch, triton (interpreter) on this machine
+BACKENDS = loss_backends("cpu")  # reference, torch, triton (interpreter) on this machine
 FAST = [b for b in BACKENDS if b != "reference"]
 LEVELS = ("token", "sequence", "sequence_token")
 

@@ -1,13 +1,13 @@
 """policy_loss as a torch op: opcheck, torch.compile, the compiled CPU path, bad inputs."""
 import pytest
 import torch
-from _policy_loss_util import make_inputs, run, spec, to_packed
-from conftest import DEVICE, available_backends
+from _policy_loss_util import loss_backends, make_inputs, run, spec, to_packed
+from conftest import DEVICE
 
 import flashrl_kernels as fk
 from flashrl_kernels.loss_config import METRIC_NAMES
 
-BACKENDS = available_backends(DEVICE)
+BACKENDS = loss_backends(DEVICE)
 FAST = [b for b in BACKENDS if b != "reference"]
 
 
@@ -228,3 +228,24 @@ def test_compile_fullgraph_packed_with_tensor_normalizer():
     e_loss, _, e_g, _ = spec(inp, cfg, normalizer=24.0, keys=("rollout_logp",))
     torch.testing.assert_close(l1.double(), e_loss, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(x1.grad.double(), e_g, atol=1e-7, rtol=1e-5)
+
+
+def test_auto_native_without_policy_loss_falls_back_to_torch(monkeypatch):
+    """A native CPU backend that lacks policy_loss must not break it when chosen automatically."""
+    import sys
+    import types
+
+    from flashrl_kernels import _backend
+
+    fake = types.ModuleType("flashrl_kernels.native")  # has no policy_loss_forward
+    monkeypatch.setitem(sys.modules, "flashrl_kernels.native", fake)
+    monkeypatch.setattr(_backend, "native_built", lambda: True)
+    monkeypatch.delenv("FLASHRL_BACKEND", raising=False)
+    assert _backend.selected_backend(torch.device("cpu")) == "native"
+    logp, old, adv, mask = _good()
+    out = fk.policy_loss(logp, old, adv, mask=mask)
+    with fk.use_backend("torch"):
+        ref = fk.policy_loss(logp, old, adv, mask=mask)
+    torch.testing.assert_close(out.loss, ref.loss)
+    with fk.use_backend("native"), pytest.raises(fk.BackendUnavailableError, match="policy_loss"):
+        fk.policy_loss(logp, old, adv, mask=mask)

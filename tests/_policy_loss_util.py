@@ -91,9 +91,9 @@ def loss_backends(device="cpu"):
     """Backends that can run here and implement policy_loss (the native CPU backend may not, yet)."""
     import importlib
 
-    from flashrl_kernels import _backend
-
     from conftest import available_backends
+
+    from flashrl_kernels import _backend
 
     return [b for b in available_backends(device)
             if hasattr(importlib.import_module(_backend._PACKAGES[b]), "policy_loss_forward")]

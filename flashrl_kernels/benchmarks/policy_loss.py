@@ -12,6 +12,7 @@ Bytes: logp, old_logp, rollout_logp, ref_logp read (16 B/token) + mask
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -104,7 +105,8 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
              ("torch.compile", lambda *a: _compiled_eager()(*a), False)]
     for backend in ("torch", "native", "triton"):
         if _backend.availability(backend, device) is None and not (backend == "triton" and device.type != "cuda"):
-            impls.append((f"flashrl[{backend}]", _flashrl(backend), False))
+            if hasattr(importlib.import_module(_backend._PACKAGES[backend]), "policy_loss_forward"):
+                impls.append((f"flashrl[{backend}]", _flashrl(backend), False))
     out = []
     for mode, backward, nbytes in (("fwd", False, 17 * n + 4 * b), ("fwd+bwd", True, 21 * n + 4 * b)):
         for name, fn, base in impls:

@@ -104,9 +104,9 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
     impls = [("eager torch (trainer code)", eager_loss, True),
              ("torch.compile", lambda *a: _compiled_eager()(*a), False)]
     for backend in ("torch", "native", "triton"):
-        if _backend.availability(backend, device) is None and not (backend == "triton" and device.type != "cuda"):
-            if hasattr(importlib.import_module(_backend._PACKAGES[backend]), "policy_loss_forward"):
-                impls.append((f"flashrl[{backend}]", _flashrl(backend), False))
+        runs_here = _backend.availability(backend, device) is None and not (backend == "triton" and device.type != "cuda")
+        if runs_here and hasattr(importlib.import_module(_backend._PACKAGES[backend]), "policy_loss_forward"):
+            impls.append((f"flashrl[{backend}]", _flashrl(backend), False))
     out = []
     for mode, backward, nbytes in (("fwd", False, 17 * n + 4 * b), ("fwd+bwd", True, 21 * n + 4 * b)):
         for name, fn, base in impls:

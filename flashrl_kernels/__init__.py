@@ -4,9 +4,12 @@ __version__ = "0.1.0"
 from ._backend import BACKENDS, BackendUnavailableError, selected_backend, use_backend
 from ._checks import set_value_checks
 from ._native import native_status
+from .advantages import GroupAdvantages, dynamic_sampling_mask, group_advantages, overlong_penalty
+from .loss_config import LossConfig, LossOutput
 from .ops import (
     dequantize_rows,
     linear_token_logprobs,
+    policy_loss,
     quantize_per_token,
     quantize_rows,
     quantize_rows_,
@@ -17,9 +20,16 @@ from .ops import (
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "GroupAdvantages",
+    "LossConfig",
+    "LossOutput",
     "dequantize_rows",
+    "dynamic_sampling_mask",
+    "group_advantages",
     "linear_token_logprobs",
     "native_status",
+    "overlong_penalty",
+    "policy_loss",
     "quantize_per_token",
     "quantize_rows",
     "quantize_rows_",

@@ -1,6 +1,7 @@
 """float64 reference implementations: readable, slow, the executable spec."""
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats, linear_token_logprobs_spec
 from .logprobs import token_logprobs_backward, token_logprobs_forward, token_logprobs_spec
+from .policy_loss import policy_loss_backward, policy_loss_forward, policy_loss_spec
 from .quantize import dequantize_rows_forward, quantize_rows_forward, quantize_rows_spec, scaled_linear_forward
 
 __all__ = [
@@ -8,6 +9,9 @@ __all__ = [
     "linear_logprobs_backward",
     "linear_logprobs_stats",
     "linear_token_logprobs_spec",
+    "policy_loss_backward",
+    "policy_loss_forward",
+    "policy_loss_spec",
     "quantize_rows_forward",
     "quantize_rows_spec",
     "scaled_linear_forward",

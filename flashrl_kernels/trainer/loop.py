@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import random
 import time
@@ -75,8 +76,15 @@ def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.T
     """Advantages [B] and the mask of samples that train (GFPO keeps k of G; dynamic sampling drops flat groups)."""
     mode, kwargs = cfg.advantage, {}
     if mode.startswith("gfpo_"):
-        kwargs = {"gfpo_metric": mode.removeprefix("gfpo_"), "gfpo_keep": cfg.gfpo_keep}
-        mode = "gfpo"
+        # GFPO = GRPO statistics over the k kept samples of each group (flashrl_kernels.group_advantages)
+        kind = mode.removeprefix("gfpo_")
+        if kind == "adaptive":  # shortest kept; k by group difficulty, gfpo_keep for the hardest groups
+            k = cfg.gfpo_keep
+            schedule = ((0.75, max(1, math.ceil(k / 2))), (0.5, max(1, math.ceil(3 * k / 4))), (-math.inf, k))
+            kwargs = {"gfpo_metric": "length", "keep_k": "adaptive", "k_schedule": schedule}
+        else:
+            kwargs = {"gfpo_metric": kind, "keep_k": cfg.gfpo_keep}
+        mode = "grpo"
     adv, keep = fk.group_advantages(rewards, cfg.group_size, mode=mode, lengths=lengths, **kwargs)
     if cfg.dynamic_sampling:
         informative = ~fk.dynamic_sampling_mask(rewards, cfg.group_size)

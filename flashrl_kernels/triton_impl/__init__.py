@@ -1,12 +1,15 @@
 """Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1)."""
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
+from .policy_loss import policy_loss_backward, policy_loss_forward
 from .quantize import dequantize_rows_forward, quantize_rows_forward, scaled_linear_forward
 
 __all__ = [
     "dequantize_rows_forward",
     "linear_logprobs_backward",
     "linear_logprobs_stats",
+    "policy_loss_backward",
+    "policy_loss_forward",
     "quantize_rows_forward",
     "scaled_linear_forward",
     "token_logprobs_backward",

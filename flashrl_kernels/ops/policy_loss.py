@@ -1,0 +1,281 @@
+"""torch.library ops for the clipped policy loss, and the public function `policy_loss`.
+
+flashrl::policy_loss          (logp, old_logp, advantages, mask?, cu_seqlens, rollout_logp?, ref_logp?, entropy?,
+                               normalizer?, <config scalars>, divisor, uniform_len)
+                              -> (loss, metrics, g_tok, g_ent, seq_coef, scale)
+flashrl::policy_loss_backward (grad_loss, g_tok, g_ent, seq_coef, mask?, cu_seqlens, scale, uniform_len)
+                              -> (grad_logp, grad_entropy)
+
+Both work on one canonical form, built by the public wrapper from either
+input layout: flat token tensors [N], an optional bool mask [N], int64
+cu_seqlens [S+1] and advantages [S] (per sequence) or [N] (per token). Padded
+[B, T] inputs become N = B*T with cu_seqlens = T * arange(B + 1) and
+uniform_len = T (a hint the torch backend uses to reshape instead of gather);
+packed inputs keep their cu_seqlens and uniform_len = 0.
+
+The forward also returns what the backward needs, so the backward is one pass:
+g_tok (per-token gradient coefficient), g_ent (entropy gradient coefficient,
+empty without entropy), seq_coef (per-sequence coefficient of GSPO's
+gradient through the sequence ratio, empty otherwise) and scale = 1/divisor.
+grad_logp = (g_tok + mask * seq_coef[seq]) * grad_loss * scale.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._backend import implementation
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_same_device,
+    check_tensor,
+    first_true,
+    value_checks_enabled,
+)
+from ..loss_config import METRIC_NAMES, LossConfig, LossOutput
+
+
+@torch.library.custom_op("flashrl::policy_loss", mutates_args=())
+def _policy_loss_op(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Optional[Tensor], cu_seqlens: Tensor,
+    rollout_logp: Optional[Tensor], ref_logp: Optional[Tensor], entropy: Optional[Tensor], normalizer: Optional[Tensor],
+    eps_low: float, eps_high: float, dual_clip: float, importance_sampling_level: str, tis_mode: str,
+    tis_min: float, tis_max: float, tis_sequence_reduce: str, loss_agg_mode: str, beta: float, entropy_coef: float,
+    divisor: float, uniform_len: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    fwd = implementation("policy_loss_forward", logp.device)
+    return fwd(
+        logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,
+        eps_low, eps_high, dual_clip, importance_sampling_level, tis_mode, tis_min, tis_max, tis_sequence_reduce,
+        loss_agg_mode, beta, entropy_coef, divisor, uniform_len,
+    )
+
+
+@_policy_loss_op.register_fake
+def _(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer, eps_low, eps_high,
+      dual_clip, importance_sampling_level, tis_mode, tis_min, tis_max, tis_sequence_reduce, loss_agg_mode, beta,
+      entropy_coef, divisor, uniform_len):
+    f32 = torch.float32
+    n = logp.shape[0]
+    nseq = cu_seqlens.shape[0] - 1
+    return (
+        logp.new_empty((), dtype=f32),
+        logp.new_empty((len(METRIC_NAMES),), dtype=f32),
+        logp.new_empty((n,), dtype=f32),
+        logp.new_empty((n if entropy is not None else 0,), dtype=f32),
+        logp.new_empty((nseq if importance_sampling_level == "sequence" else 0,), dtype=f32),
+        logp.new_empty((), dtype=f32),
+    )
+
+
+@torch.library.custom_op("flashrl::policy_loss_backward", mutates_args=())
+def _policy_loss_backward_op(
+    grad_loss: Tensor, g_tok: Tensor, g_ent: Tensor, seq_coef: Tensor, mask: Optional[Tensor], cu_seqlens: Tensor,
+    scale: Tensor, uniform_len: int,
+) -> tuple[Tensor, Tensor]:
+    bwd = implementation("policy_loss_backward", g_tok.device)
+    return bwd(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, uniform_len)
+
+
+@_policy_loss_backward_op.register_fake
+def _(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, uniform_len):
+    return torch.empty_like(g_tok), torch.empty_like(g_ent)
+
+
+def _setup_context(ctx, inputs, output):
+    logp, entropy, mask, cu_seqlens, uniform_len = inputs[0], inputs[7], inputs[3], inputs[4], inputs[21]
+    _, _, g_tok, g_ent, seq_coef, scale = output
+    ctx.save_for_backward(g_tok, g_ent, seq_coef, mask, cu_seqlens, scale)
+    ctx.uniform_len = uniform_len
+    ctx.logp_dtype = logp.dtype
+    ctx.ent_dtype = None if entropy is None else entropy.dtype
+
+
+def _backward(ctx, grad_loss, *_unused):
+    g_tok, g_ent, seq_coef, mask, cu_seqlens, scale = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = torch.zeros_like(scale)
+    grad_logp, grad_ent = torch.ops.flashrl.policy_loss_backward(
+        grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, ctx.uniform_len
+    )
+    grad_ent = None if ctx.ent_dtype is None else grad_ent.to(ctx.ent_dtype)
+    return (grad_logp.to(ctx.logp_dtype), None, None, None, None, None, None, grad_ent) + (None,) * 14
+
+
+torch.library.register_autograd("flashrl::policy_loss", _backward, setup_context=_setup_context)
+
+
+# ---- public wrapper ----
+
+def _check_config(config):
+    if config is None:
+        return LossConfig()
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a flashrl_kernels.LossConfig, got {type(config).__name__}")
+    return config
+
+
+def _same_shape(name, t, shape):
+    if t is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the shape of logp {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _canonical(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy):
+    """Checks shapes and returns (flat tensors..., cu_seqlens int64, uniform_len)."""
+    check_tensor("logp", logp, dtypes=FLOAT_DTYPES)
+    check_tensor("old_logp", old_logp, dtypes=FLOAT_DTYPES)
+    check_tensor("advantages", advantages, dtypes=FLOAT_DTYPES)
+    for name, t in (("rollout_logp", rollout_logp), ("ref_logp", ref_logp), ("entropy", entropy)):
+        if t is not None:
+            check_tensor(name, t, dtypes=FLOAT_DTYPES)
+    if mask is not None:
+        check_tensor("mask", mask)
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES)
+    check_same_device(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, cu_seqlens=cu_seqlens,
+                      rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy)
+    shape = tuple(logp.shape)
+    for name, t in (("old_logp", old_logp), ("rollout_logp", rollout_logp), ("ref_logp", ref_logp),
+                    ("entropy", entropy), ("mask", mask)):
+        _same_shape(name, t, shape)
+    if cu_seqlens is None:
+        if logp.dim() != 2:
+            raise ValueError(
+                f"padded inputs must be [B, T], got logp of shape {shape}; for packed [total_tokens] inputs pass cu_seqlens"
+            )
+        b, t = shape
+        if b == 0:
+            raise ValueError("empty batch: logp has no sequences (B = 0)")
+        adv_shape = tuple(advantages.shape)
+        if adv_shape in ((b,), (b, 1)):
+            adv = advantages.reshape(b)
+        elif adv_shape == (b, t):
+            adv = advantages.reshape(-1)
+        else:
+            raise ValueError(f"advantages must have shape [B] = ({b},), [B, 1] or [B, T] = {shape}, got {adv_shape}")
+        cu = torch.arange(b + 1, device=logp.device, dtype=torch.int64) * t
+        uniform_len = t
+    else:
+        if logp.dim() != 1:
+            raise ValueError(f"packed inputs (cu_seqlens given) must be 1-D [total_tokens], got logp of shape {shape}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(
+                f"cu_seqlens must be 1-D with at least 2 entries (0 and the total), got shape {tuple(cu_seqlens.shape)}"
+            )
+        nseq = cu_seqlens.numel() - 1
+        if advantages.dim() != 1 or advantages.numel() not in (nseq, shape[0]):
+            raise ValueError(
+                f"advantages must have shape [num_seqs] = ({nseq},) or [total_tokens] = ({shape[0]},) for packed "
+                f"inputs, got {tuple(advantages.shape)}"
+            )
+        adv = advantages
+        cu = cu_seqlens.to(torch.int64)
+        uniform_len = 0
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask != 0
+
+    def flat(x):
+        return None if x is None else x.reshape(-1).contiguous()
+
+    return (flat(logp), flat(old_logp), adv.contiguous(), flat(mask), cu.contiguous(), flat(rollout_logp),
+            flat(ref_logp), flat(entropy), uniform_len)
+
+
+def _check_cu_seqlens(cu, n):
+    """Packed layout only, before the op (the kernels index with it): one host sync."""
+    flags = torch.stack([cu[0] != 0, cu[-1] != n, (cu[1:] < cu[:-1]).any()]).tolist()
+    if flags[0]:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    if flags[1]:
+        raise ValueError(f"cu_seqlens must end at the number of tokens {n}, got {int(cu[-1])}")
+    if flags[2]:
+        i = first_true(cu[1:] < cu[:-1])
+        raise ValueError(f"cu_seqlens must be non-decreasing; entry {i + 1} ({int(cu[i + 1])}) < entry {i} ({int(cu[i])})")
+
+
+def _check_finite(loss, inputs, mask):
+    """After the op: one host sync; a non-finite loss is traced back to the input that caused it."""
+    if bool(torch.isfinite(loss)):
+        return
+    for name, t in inputs:
+        if t is None:
+            continue
+        bad = ~torch.isfinite(t)
+        if mask is not None and bad.shape == mask.shape:
+            bad = bad & mask
+        i = first_true(bad)
+        if i is not None:
+            raise ValueError(f"{name} holds a non-finite value at a valid position (flat index {i}): {float(t.reshape(-1)[i])}")
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    rollout_logp: Optional[Tensor] = None,
+    ref_logp: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+    config: Optional[LossConfig] = None,
+    normalizer=None,
+) -> LossOutput:
+    """Clipped policy loss (PPO/GRPO/DAPO/GSPO) with TIS, KL and entropy terms; see docs/policy_loss.md.
+
+    Inputs are padded [B, T] (with an optional mask, True/nonzero = token counts) or packed
+    [total_tokens] with cu_seqlens [S + 1] (int32/int64, starting at 0, non-decreasing; a mask
+    [total_tokens] may be given too). advantages: per sequence ([B], [B, 1] / [S]) or per token.
+    normalizer (float or 0-d tensor) overrides config.normalizer and the mode's divisor for this call.
+    Returns LossOutput(loss, metrics): loss is a 0-d fp32 tensor, differentiable w.r.t. logp and
+    entropy; metrics maps METRIC_NAMES to detached 0-d fp32 tensors (no host sync).
+    """
+    cfg = _check_config(config)
+    (lp, old, adv, m, cu, roll, ref, ent, uniform_len) = _canonical(
+        logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy
+    )
+    if cfg.tis_mode != "none" and roll is None:
+        raise ValueError(f"tis_mode={cfg.tis_mode!r} needs rollout_logp (the rollout engine's log-probabilities)")
+    if cfg.beta != 0.0 and ref is None:
+        raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference policy's log-probabilities)")
+    if cfg.entropy_coef != 0.0 and ent is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} needs entropy")
+    norm_t = None
+    divisor = 0.0 if cfg.normalizer is None else float(cfg.normalizer)
+    if normalizer is not None:
+        if isinstance(normalizer, torch.Tensor):
+            if normalizer.numel() != 1:
+                raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(normalizer.shape)}")
+            if normalizer.device != lp.device:
+                raise ValueError(f"normalizer is on {normalizer.device} but logp is on {lp.device}")
+            norm_t = normalizer.reshape(()).to(torch.float32)
+        elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
+            raise TypeError(f"normalizer must be a float or a tensor, got {type(normalizer).__name__}")
+        elif not normalizer > 0:
+            raise ValueError(f"normalizer must be > 0, got {normalizer}")
+        else:
+            divisor = float(normalizer)
+    if cfg.loss_agg_mode == "seq-mean-token-sum-norm" and norm_t is None and divisor == 0.0:
+        if cu_seqlens is not None:
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' divides by a constant; with packed inputs pass it as "
+                "normalizer (e.g. the maximum response length, times the number of sequences for TRL dr_grpo)"
+            )
+        divisor = float(logp.shape[1])  # the padded length, as verl does
+    checks = value_checks_enabled()
+    if checks and cu_seqlens is not None:
+        _check_cu_seqlens(cu, lp.numel())
+    loss, mvec, _, _, _, _ = torch.ops.flashrl.policy_loss(
+        lp, old, adv, m, cu, roll, ref, ent, norm_t,
+        float(cfg.eps_low), float(cfg.eps_high), float(cfg.dual_clip or 0.0), cfg.importance_sampling_level,
+        cfg.tis_mode, float(cfg.tis_min), float(cfg.tis_max), cfg.tis_sequence_reduce, cfg.loss_agg_mode,
+        float(cfg.beta), float(cfg.entropy_coef), divisor, int(uniform_len),
+    )
+    if checks:
+        _check_finite(loss, (("logp", lp), ("old_logp", old), ("advantages", adv), ("rollout_logp", roll),
+                             ("ref_logp", ref), ("entropy", ent)), m)
+    mvec = mvec.detach()
+    return LossOutput(loss, {name: mvec[i] for i, name in enumerate(METRIC_NAMES)})

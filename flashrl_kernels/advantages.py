@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -102,10 +102,10 @@ def group_advantages(
     mode: str = "grpo",
     std_eps: float = 1e-6,
     unbiased_std: bool = True,
-    lengths: Optional[torch.Tensor] = None,
-    gfpo_metric: Optional[str] = None,
+    lengths: torch.Tensor | None = None,
+    gfpo_metric: str | None = None,
     keep_k=None,
-    k_schedule: Optional[Sequence[tuple]] = None,
+    k_schedule: Sequence[tuple] | None = None,
 ) -> GroupAdvantages:
     """Advantages of each sample relative to its group.
 

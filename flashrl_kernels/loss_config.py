@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -83,14 +83,14 @@ class LossConfig:
 
     eps_low: float = 0.2
     eps_high: float = 0.2
-    dual_clip: Optional[float] = None
+    dual_clip: float | None = None
     importance_sampling_level: str = "token"
     tis_mode: str = "none"
     tis_min: float = 0.0
     tis_max: float = 2.0
     tis_sequence_reduce: str = "sum"
     loss_agg_mode: str = "token-mean"
-    normalizer: Optional[float] = None
+    normalizer: float | None = None
     beta: float = 0.0
     entropy_coef: float = 0.0
 

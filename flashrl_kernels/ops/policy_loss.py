@@ -21,8 +21,6 @@ grad_logp = (g_tok + mask * seq_coef[seq]) * grad_loss * scale.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -40,8 +38,8 @@ from ..loss_config import METRIC_NAMES, LossConfig, LossOutput
 
 @torch.library.custom_op("flashrl::policy_loss", mutates_args=())
 def _policy_loss_op(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Optional[Tensor], cu_seqlens: Tensor,
-    rollout_logp: Optional[Tensor], ref_logp: Optional[Tensor], entropy: Optional[Tensor], normalizer: Optional[Tensor],
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor | None, cu_seqlens: Tensor,
+    rollout_logp: Tensor | None, ref_logp: Tensor | None, entropy: Tensor | None, normalizer: Tensor | None,
     eps_low: float, eps_high: float, dual_clip: float, importance_sampling_level: str, tis_mode: str,
     tis_min: float, tis_max: float, tis_sequence_reduce: str, loss_agg_mode: str, beta: float, entropy_coef: float,
     divisor: float, uniform_len: int,
@@ -73,7 +71,7 @@ def _(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entr
 
 @torch.library.custom_op("flashrl::policy_loss_backward", mutates_args=())
 def _policy_loss_backward_op(
-    grad_loss: Tensor, g_tok: Tensor, g_ent: Tensor, seq_coef: Tensor, mask: Optional[Tensor], cu_seqlens: Tensor,
+    grad_loss: Tensor, g_tok: Tensor, g_ent: Tensor, seq_coef: Tensor, mask: Tensor | None, cu_seqlens: Tensor,
     scale: Tensor, uniform_len: int,
 ) -> tuple[Tensor, Tensor]:
     bwd = implementation("policy_loss_backward", g_tok.device)
@@ -216,12 +214,12 @@ def policy_loss(
     old_logp: Tensor,
     advantages: Tensor,
     *,
-    mask: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    rollout_logp: Optional[Tensor] = None,
-    ref_logp: Optional[Tensor] = None,
-    entropy: Optional[Tensor] = None,
-    config: Optional[LossConfig] = None,
+    mask: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+    config: LossConfig | None = None,
     normalizer=None,
 ) -> LossOutput:
     """Clipped policy loss (PPO/GRPO/DAPO/GSPO) with TIS, KL and entropy terms; see docs/policy_loss.md.

@@ -307,7 +307,7 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
     if _compile_enabled(logp.device):
         try:
             out = _compiled_terms(scalars)(*tensors)
-        except Exception as exc:  # noqa: BLE001 - no C++ compiler, unsupported platform...: fall back to eager, once
+        except Exception as exc:
             _compile_broken.append(exc)
             warnings.warn(f"flashrl torch backend: torch.compile of policy_loss failed ({exc!r}); using eager torch",
                           RuntimeWarning, stacklevel=2)

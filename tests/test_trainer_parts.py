@@ -21,6 +21,7 @@ def test_splits_are_disjoint_and_seeded():
 def test_rewards():
     assert exact_match_reward("12", 12) == 1.0 and exact_match_reward(" 12", 12) == 1.0
     assert exact_match_reward("13", 12) == 0.0 and exact_match_reward("1 2", 12) == 0.0
+    assert exact_match_reward("012", 12) == 0.0 and exact_match_reward("-3", -3) == 1.0  # canonical form only
     assert parse_answer("-7") == -7 and parse_answer("7-") is None and parse_answer("") is None
     # r = 1 - 0.5 min(|a-b|, 1) - 0.5 min(|a-b| / (|b| + eps), 1)
     assert calculation_reward("10", 10) == 1.0

@@ -23,9 +23,9 @@ REWARD_NAMES = ("exact", "calculation")
 class TrainConfig:
     # run
     seed: int = 0
-    steps: int = 30
+    steps: int = 60
     out_dir: str = "runs/demo"
-    eval_every: int = 5
+    eval_every: int = 10
     # task
     max_operand: int = 10
     ops: str = "+-"
@@ -37,6 +37,7 @@ class TrainConfig:
     warmstart_steps: int = 300
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 64
+    warmstart_flaw: float = 0.5  # share of demonstrations with a leading-zero habit the verifier rejects
     cache_dir: str = ""  # default: $FLASHRL_CACHE_DIR or ~/.cache/flashrl_kernels
     # rollout
     rollout_engine: str = "auto"
@@ -101,6 +102,8 @@ class TrainConfig:
                 f"option hidden_size must be 4 x a head size vLLM's CPU attention supports "
                 f"(32, 64, 80, 96, 112, 128, 256), e.g. 128 or 256; got {self.hidden_size}"
             )
+        if not 0.0 <= self.warmstart_flaw < 1.0:
+            raise ValueError(f"option warmstart_flaw must be in [0, 1), got {self.warmstart_flaw}")
         if self.group_size < 2:
             raise ValueError(f"option group_size must be >= 2 (group advantages need a group), got {self.group_size}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:

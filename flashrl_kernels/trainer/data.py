@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .task import Problem, parse_answer
+from .task import Problem, exact_match_reward
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -20,12 +20,19 @@ def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def sft_batch(tokenizer, problems: list[Problem]):
-    """(input_ids, attention_mask, labels) with labels only on the answer and EOS."""
+def sft_batch(tokenizer, problems: list[Problem], flawed: list[bool] | None = None):
+    """(input_ids, attention_mask, labels) with labels only on the answer and EOS.
+
+    `flawed[i]`: write problem i's answer with a redundant leading zero ("07"),
+    a habit the exact-match verifier rejects (see warmstart.py).
+    """
     seqs, n_prompt = [], []
-    for p in problems:
+    for i, p in enumerate(problems):
         prompt = tokenizer(p.prompt).input_ids
-        answer = tokenizer(str(p.answer), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        text = str(p.answer)
+        if flawed is not None and flawed[i] and p.answer >= 0:
+            text = "0" + text
+        answer = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         seqs.append(prompt + answer)
         n_prompt.append(len(prompt))
     ids, mask = pad_left(seqs, tokenizer.pad_token_id)
@@ -55,4 +62,4 @@ def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
 
 def accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int) -> float:
     answers = greedy_answers(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
-    return sum(parse_answer(a) == p.answer for a, p in zip(answers, problems)) / len(problems)
+    return sum(exact_match_reward(a, p.answer) for a, p in zip(answers, problems)) / len(problems)

@@ -184,8 +184,6 @@ class Trainer:
                 self.opt.step()
                 for name, val in [("loss", out.loss.detach()), ("grad_norm", gnorm), *out.metrics.items()]:
                     agg.setdefault(name, []).append(float(val))
-                masked = mask[idx]
-                agg.setdefault("entropy", []).append(float((ent.detach() * masked).sum() / masked.sum()))
         m["time_update"] = time.perf_counter() - t0
         m.update({k: sum(v) / len(v) for k, v in agg.items()})
 

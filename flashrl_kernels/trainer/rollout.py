@@ -79,8 +79,10 @@ class VLLMRollout:
     name = "vllm"
 
     def __init__(self, model_dir: str, quant: str, seed: int, max_model_len: int = 64):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: syncs reach its model
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM logs a warning per tensor for every fp32 -> bf16/int8 load, i.e. per layer per sync
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
 
         quantization = {"bf16": None, "int8": "flashrl_int8", "fp8": "flashrl_fp8"}[quant]

@@ -14,8 +14,8 @@ CURVES = [
     ("eval_accuracy", "held-out accuracy"),
     ("response_length", "response length (tokens)"),
     ("mismatch_kl", "rollout/trainer mismatch KL (k3)"),
-    ("tis_clip_fraction", "TIS truncated fraction"),
-    ("entropy", "entropy"),
+    ("tis_frac_clipped", "TIS truncated/masked fraction"),
+    ("entropy_mean", "entropy"),
 ]
 
 
@@ -26,12 +26,19 @@ def plot(history: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
-    keys = CURVES + [("clip_fraction", "PPO clip fraction")]
-    for ax, (key, title) in zip(axes.flat, keys):
+    for ax, (key, title) in zip(axes.flat, CURVES):
         pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == "eval_accuracy" else None, markersize=3)
         ax.set_title(title)
+    ax = axes.flat[len(CURVES)]
+    for key in ("clip_frac_low", "clip_frac_high", "clip_frac_dual"):
+        pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), label=key.removeprefix("clip_frac_"))
+    ax.set_title("PPO clip fractions")
+    ax.legend(fontsize=7)
+    for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     ax = axes.flat[-1]
@@ -48,11 +55,9 @@ def plot(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _pick(m: dict, *names):
-    for n in names:
-        if n in m:
-            return m[n]
-    return None
+def _median_of(steps: list[dict], key: str):
+    vals = [h[key] for h in steps if h.get(key) is not None]
+    return statistics.median(vals) if vals else None
 
 
 def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, say=print) -> dict:
@@ -106,16 +111,12 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
         "accuracy_start": acc_start,
         "accuracy_end": acc,
         "response_length_end": steps[-1]["response_length"] if steps else None,
-        "mismatch_kl_median": statistics.median(
-            v for h in steps if (v := _pick(h, "mismatch_kl")) is not None
-        ) if any(_pick(h, "mismatch_kl") is not None for h in steps) else None,
-        "tis_clip_fraction_median": statistics.median(
-            v for h in steps if (v := _pick(h, "tis_clip_fraction")) is not None
-        ) if any(_pick(h, "tis_clip_fraction") is not None for h in steps) else None,
-        "time_rollout_s": med("time_rollout"),
-        "time_logprob_s": med("time_logprob"),
-        "time_update_s": med("time_update"),
-        "time_sync_s": med("time_sync"),
+        "mismatch_kl_median": _median_of(steps, "mismatch_kl"),
+        "tis_frac_clipped_median": _median_of(steps, "tis_frac_clipped"),
+        "time_rollout_s": _median_of(steps, "time_rollout"),
+        "time_logprob_s": _median_of(steps, "time_logprob"),
+        "time_update_s": _median_of(steps, "time_update"),
+        "time_sync_s": _median_of(steps, "time_sync"),
         "wall_s": time.perf_counter() - t_start,
         "engine": engine_desc,
         "log": log_path,
@@ -136,7 +137,7 @@ def format_summary(s: dict) -> str:
         ("held-out accuracy, after RL", f(s["accuracy_end"], ".3f")),
         ("response length (tokens), last step", f(s["response_length_end"], ".2f")),
         ("mismatch KL rollout vs trainer (median)", f(s["mismatch_kl_median"], ".2e")),
-        ("TIS truncated fraction (median)", f(s["tis_clip_fraction_median"], ".3f")),
+        ("TIS truncated/masked fraction (median)", f(s["tis_frac_clipped_median"], ".3f")),
         ("time per step: rollout / logprob / update / sync (s, median)",
          " / ".join(f(s[k], ".3f") for k in ("time_rollout_s", "time_logprob_s", "time_update_s", "time_sync_s"))),
         ("wall time (s)", f(s["wall_s"], ".0f")),

@@ -5,7 +5,8 @@ the end-of-sequence token. Train and held-out problems are disjoint sets
 drawn by seed, so held-out accuracy measures generalisation, not recall.
 
 Rewards:
-- exact match: 1 if the completion parses to the answer, else 0;
+- exact match: 1 if the completion is the answer in canonical decimal form
+  ("7", "-3"; not "07" or "+7"), else 0;
 - RandomCalculation-style continuous reward for a parsed value a and answer b:
   r = 1 - 0.5 min(|a - b|, 1) - 0.5 min(|a - b| / (|b| + eps), 1); 0 if unparsable.
 """
@@ -73,7 +74,7 @@ def parse_answer(text: str) -> int | None:
 
 
 def exact_match_reward(completion: str, answer: int) -> float:
-    return 1.0 if parse_answer(completion) == answer else 0.0
+    return 1.0 if completion.strip() == str(answer) else 0.0
 
 
 def calculation_reward(completion: str, answer: int, eps: float = 1e-6) -> float:

@@ -1,7 +1,14 @@
 """Supervised warm start on the task, cached on disk so the demo does not repeat it.
 
 RL needs a policy that already samples a correct answer sometimes; a few
-hundred steps of cross-entropy on the train split give that. The result is
+hundred steps of cross-entropy on the train split give that. The
+demonstrations are imperfect on purpose, as real SFT data is: a share
+`warmstart_flaw` of them writes the answer with a redundant leading zero
+("07"), which the exact-match verifier rejects. The warm-started model keeps
+that habit on held-out prompts too; removing it is a skill that transfers,
+so verifiable-reward RL on the train split visibly lifts held-out accuracy
+(and shortens responses), where on clean data this tiny model would mostly
+have memorised its train split already. The result is
 saved with save_pretrained (model and tokenizer) under
 <cache>/warmstart/<key>, where the key hashes everything that changes it.
 """
@@ -37,6 +44,7 @@ def warmstart_key(cfg: TrainConfig) -> str:
     fields = {
         "v": _VERSION, "task": dataclasses.asdict(task_of(cfg)), "model": dataclasses.asdict(model_config_of(cfg)),
         "steps": cfg.warmstart_steps, "lr": cfg.warmstart_lr, "batch": cfg.warmstart_batch, "seed": cfg.seed,
+        "flaw": cfg.warmstart_flaw,
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -55,7 +63,9 @@ def warm_start(cfg: TrainConfig, progress=None) -> tuple[str, bool]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     rng = random.Random(cfg.seed)
     for step in range(cfg.warmstart_steps):
-        ids, mask, labels = sft_batch(tokenizer, rng.choices(train, k=cfg.warmstart_batch))
+        batch = rng.choices(train, k=cfg.warmstart_batch)
+        flawed = [rng.random() < cfg.warmstart_flaw for _ in batch]
+        ids, mask, labels = sft_batch(tokenizer, batch, flawed)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

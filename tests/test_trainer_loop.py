@@ -20,10 +20,9 @@ MARGIN = 0.15
 
 
 def small_cfg(tmp_path, **kw):
-    base = dict(rollout_engine="hf", rollout_quant="bf16", warmstart_steps=20, cache_dir=str(tmp_path / "cache"),
-                out_dir=str(tmp_path / "run"), prompts_per_step=4, group_size=4, n_eval=16)
-    base.update(kw)
-    return TrainConfig(**base)
+    base = {"rollout_engine": "hf", "rollout_quant": "bf16", "warmstart_steps": 20, "prompts_per_step": 4,
+            "group_size": 4, "n_eval": 16, "cache_dir": str(tmp_path / "cache"), "out_dir": str(tmp_path / "run")}
+    return TrainConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("advantage", ["gfpo_length", "gfpo_token_efficiency"])

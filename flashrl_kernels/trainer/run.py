@@ -106,7 +106,6 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
     bar.close()
 
     steps = [h for h in trainer.history if "time_rollout" in h]
-    med = lambda k: statistics.median(h[k] for h in steps) if steps else float("nan")
     summary = {
         "accuracy_start": acc_start,
         "accuracy_end": acc,

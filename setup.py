@@ -33,6 +33,7 @@ class BuildPyWithCsrc(build_py):
                 self.copy_file(str(f), str(target), preserve_mode=False)
 
 
+DEMO = ["transformers>=4.45", "tokenizers", "matplotlib", "pyyaml"]
 TRITON = 'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"'
 
 setup(
@@ -45,7 +46,9 @@ setup(
     packages=find_packages(include=["flashrl_kernels", "flashrl_kernels.*"]),
     install_requires=["torch>=2.4", "numpy", "tqdm", TRITON],
     extras_require={
-        "test": ["pytest>=7", "pytest-benchmark>=4"],
+        # the reference trainer and its demo (tiny Qwen2 built locally, figure, YAML configs)
+        "demo": DEMO,
+        "test": ["pytest>=7", "pytest-benchmark>=4", *DEMO],
         "bench": ["pytest-benchmark>=4"],
         "trl": ["trl", "transformers"],
         "vllm": ["vllm"],

@@ -134,6 +134,20 @@ def _cmd_demo(args) -> int:
     return _run_training(cfg)
 
 
+def _cmd_ablate(args) -> int:
+    from flashrl_kernels.trainer.ablation import format_ablation, run_ablation
+
+    try:
+        cfg = _train_config(args, {"out_dir": "runs/ablate"})
+    except ValueError as exc:
+        print(f"flashrl-kernels ablate: {exc}", file=sys.stderr)
+        return 2
+    rows = run_ablation(cfg)
+    print()
+    print(format_ablation(rows))
+    return 0
+
+
 def _cmd_train(args) -> int:
     try:
         cfg = _train_config(args, {"out_dir": "runs/train"})
@@ -163,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a short GRPO run of the reference trainer: INT8 rollout + TIS (CPU, minutes)")
     _add_train_flags(demo)
     demo.set_defaults(func=_cmd_demo)
+
+    ab = sub.add_parser("ablate", help="bf16 vs INT8/FP8 rollout, with and without TIS, GRPO vs GFPO: one table")
+    _add_train_flags(ab)
+    ab.set_defaults(func=_cmd_ablate)
 
     tr = sub.add_parser("train", help="the reference GRPO/GSPO trainer with every option")
     tr.add_argument("--config", default=None, metavar="FILE.yaml", help="options as a YAML mapping")

@@ -33,16 +33,22 @@ def _cmd_info(args) -> int:
     except ImportError:
         print("triton not installed")
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    ops = {"token_logprobs": "token_logprobs_forward", "linear_token_logprobs": "linear_logprobs_stats",
+           "policy_loss": "policy_loss_forward", "quantize_rows": "quantize_rows_forward"}
     for dev in devices:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
-        try:
-            chosen = _backend.selected_backend(dev)
-        except Exception as exc:
-            chosen = f"error: {exc}"
-        print(f"\n{dev.type} ({name}): ops run on -> {chosen}")
+        print(f"\n{dev.type} ({name})")
         for b in _backend.BACKENDS:
             reason = _backend.availability(b, dev)
             print(f"  {b:<10} {'available' if reason is None else 'unavailable: ' + reason}")
+        for op, fn in ops.items():
+            try:
+                chosen = _backend.selected_backend(dev, fn)
+            except Exception as exc:
+                chosen = f"error: {exc}"
+            print(f"  {op:<22} runs on {chosen}")
+    print()
+    print(fk.native_status().summary())
     return 0
 
 

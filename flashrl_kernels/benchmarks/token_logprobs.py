@@ -28,8 +28,12 @@ def _compiled_naive():
 
 
 def _trl_selective_log_softmax():
+    import warnings
+
     try:
-        from trl.trainer.utils import selective_log_softmax
+        with warnings.catch_warnings():  # trl warns at import about the vLLM version it was tested with
+            warnings.simplefilter("ignore")
+            from trl.trainer.utils import selective_log_softmax
     except Exception:
         return None
     return selective_log_softmax

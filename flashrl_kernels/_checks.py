@@ -76,6 +76,25 @@ def first_true(mask: torch.Tensor) -> int | None:
     return int(idx[0, 0]) if idx.numel() else None
 
 
+def check_logprob_values(targets, lse, vocab: int, ignore_index, undefined_row: str) -> None:
+    """Value checks shared by the log-prob ops, after the op ran: token ids in range, every
+    counted row's log-sum-exp finite. One host sync. `undefined_row` says, for the error, what
+    makes a row's log-softmax undefined in this op ("{i}" is replaced by the flat row index)."""
+    counted = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
+    bad_target = counted & ((targets < 0) | (targets >= vocab))
+    bad_row = counted & ~torch.isfinite(lse)
+    flags = torch.stack([bad_target.any(), bad_row.any()]).tolist()  # the one host sync
+    if flags[0]:
+        i = first_true(bad_target)
+        also = " or equal ignore_index" if ignore_index is not None else ""
+        raise ValueError(
+            f"targets must lie in [0, {vocab}) (vocabulary size){also}; "
+            f"flat position {i} holds {int(targets.reshape(-1)[i])}"
+        )
+    if flags[1]:
+        raise ValueError(undefined_row.format(i=first_true(bad_row)))
+
+
 def rows_as_3d(x: torch.Tensor, name: str) -> torch.Tensor:
     """View `x[..., V]` as [B, T, V] without copying, or raise.
 

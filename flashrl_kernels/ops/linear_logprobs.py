@@ -27,10 +27,10 @@ from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_ignore_index,
+    check_logprob_values,
     check_same_device,
     check_temperature,
     check_tensor,
-    first_true,
     value_checks_enabled,
 )
 
@@ -266,22 +266,10 @@ def _check_inputs(hidden, weight, targets, bias, temperature, ignore_index, proc
 
 
 def _check_values(targets, lse, vocab, ignore_index):
-    counted = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
-    bad_target = counted & ((targets < 0) | (targets >= vocab))
-    bad_row = counted & ~torch.isfinite(lse)
-    flags = torch.stack([bad_target.any(), bad_row.any()]).tolist()  # the one host sync
-    if flags[0]:
-        i = first_true(bad_target)
-        raise ValueError(
-            f"targets must lie in [0, {vocab}) (vocabulary size){' or equal ignore_index' if ignore_index is not None else ''}; "
-            f"flat position {i} holds {int(targets.reshape(-1)[i])}"
-        )
-    if flags[1]:
-        i = first_true(bad_row)
-        raise ValueError(
-            f"row {i} (flat) has no defined log-softmax: hidden, weight or bias hold NaN/inf there, "
-            "or every logit is -inf"
-        )
+    check_logprob_values(
+        targets, lse, vocab, ignore_index,
+        "row {i} (flat) has no defined log-softmax: hidden, weight or bias hold NaN/inf there, or every logit is -inf",
+    )
 
 
 def linear_token_logprobs(

@@ -16,10 +16,10 @@ from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_ignore_index,
+    check_logprob_values,
     check_same_device,
     check_temperature,
     check_tensor,
-    first_true,
     rows_as_3d,
     value_checks_enabled,
 )
@@ -106,22 +106,10 @@ def _check_inputs(logits, targets, temperature, ignore_index):
 
 
 def _check_values(logits, targets, lse, ignore_index):
-    v = logits.shape[-1]
-    counted = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
-    bad_target = counted & ((targets < 0) | (targets >= v))
-    bad_row = counted & ~torch.isfinite(lse)
-    flags = torch.stack([bad_target.any(), bad_row.any()]).tolist()  # the one host sync
-    if flags[0]:
-        i = first_true(bad_target)
-        raise ValueError(
-            f"targets must lie in [0, {v}) (vocabulary size){' or equal ignore_index' if ignore_index is not None else ''}; "
-            f"flat position {i} holds {int(targets.reshape(-1)[i])}"
-        )
-    if flags[1]:
-        i = first_true(bad_row)
-        raise ValueError(
-            f"logits row {i} (flat) has no defined log-softmax: it contains NaN or +inf, or every entry is -inf"
-        )
+    check_logprob_values(
+        targets, lse, logits.shape[-1], ignore_index,
+        "logits row {i} (flat) has no defined log-softmax: it contains NaN or +inf, or every entry is -inf",
+    )
 
 
 def token_logprobs(

@@ -5,6 +5,7 @@ from ._backend import BACKENDS, BackendUnavailableError, selected_backend, use_b
 from ._checks import set_value_checks
 from ._native import native_status
 from .advantages import GroupAdvantages, dynamic_sampling_mask, group_advantages, overlong_penalty
+from .integrations import patch, patch_from_env as _patch_from_env, unpatch
 from .loss_config import LossConfig, LossOutput
 from .ops import (
     dequantize_rows,
@@ -29,6 +30,7 @@ __all__ = [
     "linear_token_logprobs",
     "native_status",
     "overlong_penalty",
+    "patch",
     "policy_loss",
     "quantize_per_token",
     "quantize_rows",
@@ -37,5 +39,8 @@ __all__ = [
     "selected_backend",
     "set_value_checks",
     "token_logprobs",
+    "unpatch",
     "use_backend",
 ]
+
+_patch_from_env()  # FLASHRL_PATCH=trl patches TRL at import; a no-op (nothing imported) when unset

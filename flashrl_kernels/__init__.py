@@ -5,7 +5,8 @@ from ._backend import BACKENDS, BackendUnavailableError, selected_backend, use_b
 from ._checks import set_value_checks
 from ._native import native_status
 from .advantages import GroupAdvantages, dynamic_sampling_mask, group_advantages, overlong_penalty
-from .integrations import patch, patch_from_env as _patch_from_env, unpatch
+from .integrations import patch, unpatch
+from .integrations import patch_from_env as _patch_from_env
 from .loss_config import LossConfig, LossOutput
 from .ops import (
     dequantize_rows,

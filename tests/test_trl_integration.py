@@ -16,10 +16,10 @@ import torch
 
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install 'flashrl_kernels[trl]')")
 
-from packaging.version import Version  # noqa: E402
+from packaging.version import Version
 
-import flashrl_kernels  # noqa: E402
-from flashrl_kernels.integrations import trl as fk_trl  # noqa: E402
+import flashrl_kernels
+from flashrl_kernels.integrations import trl as fk_trl
 
 SUPPORTED = Version(trl.__version__).release[:2] == fk_trl.SUPPORTED_TRL
 needs_supported = pytest.mark.skipif(not SUPPORTED, reason=f"trl {trl.__version__} is outside {fk_trl.SUPPORTED_RANGE}")
@@ -52,9 +52,9 @@ def make_trainer(tiny, tmp_path, dtype=torch.float32, **config):
 
     path, tok = tiny
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    settings = dict(output_dir=str(tmp_path / "out"), report_to=[], bf16=False, use_cpu=True,
-                    per_device_train_batch_size=4, num_generations=2, max_completion_length=T, max_steps=2,
-                    logging_steps=1, save_strategy="no", use_vllm=False, temperature=0.7, seed=3)
+    settings = {"output_dir": str(tmp_path / "out"), "report_to": [], "bf16": False, "use_cpu": True,
+                    "per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": T, "max_steps": 2,
+                    "logging_steps": 1, "save_strategy": "no", "use_vllm": False, "temperature": 0.7, "seed": 3}
     settings.update(config)
     dataset = Dataset.from_dict({"prompt": ["abc", "hello", "xyz q", "a b c", "12+3=", "go on"]})
 
@@ -82,14 +82,14 @@ def make_batch(trainer, seed=0, *, old=True, tool_mask=False, token_advantages=F
     """A GRPOTrainer input batch with an empty row, a left-padded prompt and ratios on both sides of the clip."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([T, 4, 0, 7, 1])
-    inputs = dict(
-        prompt_ids=torch.randint(3, 60, (B, P), generator=g),
-        prompt_mask=torch.ones(B, P, dtype=torch.long),
-        completion_ids=torch.randint(3, 60, (B, T), generator=g),
-        completion_mask=(torch.arange(T)[None] < lengths[:, None]).long(),
-        advantages=torch.randn(B, T, generator=g) if token_advantages else torch.randn(B, generator=g),
-        num_items_in_batch=torch.tensor(float(lengths.sum() + 5)),  # a generation batch larger than this one
-    )
+    inputs = {
+        "prompt_ids": torch.randint(3, 60, (B, P), generator=g),
+        "prompt_mask": torch.ones(B, P, dtype=torch.long),
+        "completion_ids": torch.randint(3, 60, (B, T), generator=g),
+        "completion_mask": (torch.arange(T)[None] < lengths[:, None]).long(),
+        "advantages": torch.randn(B, T, generator=g) if token_advantages else torch.randn(B, generator=g),
+        "num_items_in_batch": torch.tensor(float(lengths.sum() + 5)),  # a generation batch larger than this one
+    }
     inputs["prompt_mask"][1, :2] = 0
     if tool_mask:
         inputs["tool_mask"] = (torch.rand(B, T, generator=g) > 0.3).long()
@@ -137,37 +137,37 @@ def assert_same(ref, got, loss_tol=1e-5, grad_tol=1e-5):
 # (GRPOConfig options, batch options, trainer attributes); every loss type at both importance-sampling levels,
 # with beta (both KL forms), delta, clip-higher, all four vLLM IS modes, entropy and off-policy masks.
 CASES = {
-    "grpo-token": (dict(loss_type="grpo"), {}, {}),
-    "grpo-seq-beta": (dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04), {}, {}),
+    "grpo-token": ({"loss_type": "grpo"}, {}, {}),
+    "grpo-seq-beta": ({"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04}, {}, {}),
     "bnpo-token-beta-nobias-tis_token_truncate": (
-        dict(loss_type="bnpo", beta=0.1, use_bias_correction_kl=False, vllm_importance_sampling_mode="token_truncate",
-             vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=1.3),
-        dict(tis=("token_truncate", 0.5, 1.3)), dict(use_vllm=True)),
+        {"loss_type": "bnpo", "beta": 0.1, "use_bias_correction_kl": False, "vllm_importance_sampling_mode": "token_truncate",
+             "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_clip_max": 1.3},
+        {"tis": ("token_truncate", 0.5, 1.3)}, {"use_vllm": True}),
     "bnpo-seq-tis_sequence_mask": (
-        dict(loss_type="bnpo", importance_sampling_level="sequence", vllm_importance_sampling_mode="sequence_mask"),
-        dict(tis=("sequence_mask", None, 3.0)), dict(use_vllm=True)),
-    "dr_grpo-token-delta-clip_higher": (dict(loss_type="dr_grpo", delta=1.5, epsilon_high=0.28), {}, {}),
+        {"loss_type": "bnpo", "importance_sampling_level": "sequence", "vllm_importance_sampling_mode": "sequence_mask"},
+        {"tis": ("sequence_mask", None, 3.0)}, {"use_vllm": True}),
+    "dr_grpo-token-delta-clip_higher": ({"loss_type": "dr_grpo", "delta": 1.5, "epsilon_high": 0.28}, {}, {}),
     "dr_grpo-seq-beta-nobias-tis_token_mask": (
-        dict(loss_type="dr_grpo", importance_sampling_level="sequence", beta=0.04, use_bias_correction_kl=False,
-             vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.7,
-             vllm_importance_sampling_clip_max=1.4),
-        dict(tis=("token_mask", 0.7, 1.4)), dict(use_vllm=True)),
+        {"loss_type": "dr_grpo", "importance_sampling_level": "sequence", "beta": 0.04, "use_bias_correction_kl": False,
+             "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.7,
+             "vllm_importance_sampling_clip_max": 1.4},
+        {"tis": ("token_mask", 0.7, 1.4)}, {"use_vllm": True}),
     "dapo-token-tis_sequence_truncate": (
-        dict(loss_type="dapo", vllm_importance_sampling_mode="sequence_truncate",
-             vllm_importance_sampling_clip_max=1.5),
-        dict(tis=("sequence_truncate", None, 1.5)), dict(use_vllm=True)),
-    "dapo-seq-delta-beta": (dict(loss_type="dapo", importance_sampling_level="sequence", delta=1.3, beta=0.2), {}, {}),
-    "luspo-seq": (dict(loss_type="luspo", importance_sampling_level="sequence"), {}, {}),
-    "luspo-token-beta": (dict(loss_type="luspo", beta=0.04, epsilon=0.1, epsilon_high=0.3), {}, {}),
-    "grpo-token-entropy_mask": (dict(loss_type="grpo", top_entropy_quantile=0.5), {}, {}),
+        {"loss_type": "dapo", "vllm_importance_sampling_mode": "sequence_truncate",
+             "vllm_importance_sampling_clip_max": 1.5},
+        {"tis": ("sequence_truncate", None, 1.5)}, {"use_vllm": True}),
+    "dapo-seq-delta-beta": ({"loss_type": "dapo", "importance_sampling_level": "sequence", "delta": 1.3, "beta": 0.2}, {}, {}),
+    "luspo-seq": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, {}, {}),
+    "luspo-token-beta": ({"loss_type": "luspo", "beta": 0.04, "epsilon": 0.1, "epsilon_high": 0.3}, {}, {}),
+    "grpo-token-entropy_mask": ({"loss_type": "grpo", "top_entropy_quantile": 0.5}, {}, {}),
     "dapo-token-off_policy_mask-tis": (
-        dict(loss_type="dapo", off_policy_mask_threshold=0.05, vllm_importance_sampling_mode="token_truncate"),
-        dict(tis=("token_truncate", None, 3.0)), dict(use_vllm=True)),
-    "bnpo-token-tool_mask": (dict(loss_type="bnpo", beta=0.04), dict(tool_mask=True), {}),
-    "grpo-token-per_token_advantages": (dict(loss_type="grpo"), dict(token_advantages=True), {}),
-    "dapo-seq-on_policy": (dict(loss_type="dapo", importance_sampling_level="sequence", num_iterations=1),
-                           dict(old=False), {}),
-    "grpo-token-num_iterations2": (dict(loss_type="grpo", num_iterations=2, beta=0.04), {}, {}),
+        {"loss_type": "dapo", "off_policy_mask_threshold": 0.05, "vllm_importance_sampling_mode": "token_truncate"},
+        {"tis": ("token_truncate", None, 3.0)}, {"use_vllm": True}),
+    "bnpo-token-tool_mask": ({"loss_type": "bnpo", "beta": 0.04}, {"tool_mask": True}, {}),
+    "grpo-token-per_token_advantages": ({"loss_type": "grpo"}, {"token_advantages": True}, {}),
+    "dapo-seq-on_policy": ({"loss_type": "dapo", "importance_sampling_level": "sequence", "num_iterations": 1},
+                           {"old": False}, {}),
+    "grpo-token-num_iterations2": ({"loss_type": "grpo", "num_iterations": 2, "beta": 0.04}, {}, {}),
 }
 
 
@@ -235,7 +235,7 @@ def test_patch_unpatch_identity_idempotent_and_logged_once(caplog):
 @needs_supported
 def test_short_training_run_matches_unpatched(tiny, tmp_path, monkeypatch):
     """3 optimizer steps with generation (use_vllm=False): same seed, same completions, same losses and weights."""
-    import flashrl_kernels.ops as ops
+    from flashrl_kernels import ops
 
     def run(patched):
         if patched:
@@ -287,10 +287,10 @@ def make_initial(tiny):
 
 @needs_supported
 @pytest.mark.parametrize("config", [
-    dict(loss_type="cispo"),
-    dict(loss_type="sapo"),
-    dict(loss_type="grpo", delta=1.1),  # delta <= 1 + epsilon_high: TRL also caps A > 0 ratios
-    dict(loss_type="dapo", entropy_coef=0.01),
+    {"loss_type": "cispo"},
+    {"loss_type": "sapo"},
+    {"loss_type": "grpo", "delta": 1.1},  # delta <= 1 + epsilon_high: TRL also caps A > 0 ratios
+    {"loss_type": "dapo", "entropy_coef": 0.01},
 ])
 def test_unsupported_option_falls_back_with_one_warning(config, tiny, tmp_path):
     trainer = make_trainer(tiny, tmp_path, **config)
@@ -311,14 +311,14 @@ def test_unsupported_option_falls_back_with_one_warning(config, tiny, tmp_path):
 
 
 @needs_supported
-@pytest.mark.parametrize("kwargs", [dict(final_logit_softcapping=30.0), dict(outputs=("log_probs", "is_top1")),
-                                    dict(logit_scale=0.5)])
+@pytest.mark.parametrize("kwargs", [{"final_logit_softcapping": 30.0}, {"outputs": ("log_probs", "is_top1")},
+                                    {"logit_scale": 0.5}])
 def test_logprob_fallback_equals_trl_kernel(kwargs):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(7, 16, generator=g, requires_grad=True)
     w = torch.randn(50, 16, generator=g, requires_grad=True)
     y = torch.randint(0, 50, (7,), generator=g)
-    args = dict(final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs", "entropy"))
+    args = {"final_logit_softcapping": None, "logit_scale": 1.0, "outputs": ("log_probs", "entropy")}
     args.update(kwargs)
     call = (h, w, None, y, 0.8, 32, args["final_logit_softcapping"], args["logit_scale"], args["outputs"])
     ref = trl.kernels.ChunkedLogProbFunction.apply(*call)
@@ -377,10 +377,10 @@ def test_import_does_not_import_trl_unless_asked():
     env = {k: v for k, v in os.environ.items() if k != "FLASHRL_PATCH"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
     env["FLASHRL_PATCH"] = "not-a-framework"
-    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], check=False, capture_output=True, text=True,
+                         env=env, timeout=300)
     assert out.returncode == 0 and "FLASHRL_PATCH=not-a-framework: not patched" in out.stderr, out.stderr

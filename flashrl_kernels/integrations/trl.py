@@ -264,9 +264,9 @@ def _compute_loss(self, model, inputs):
 
     loss_type = self.loss_type
     beta = float(self.beta)
-    cfg = dict(eps_low=float(self.epsilon_low), eps_high=float(self.epsilon_high),
-               dual_clip=None if self.args.delta is None else float(self.args.delta),
-               importance_sampling_level=level, loss_agg_mode=_LOSS_AGG[loss_type])
+    cfg = {"eps_low": float(self.epsilon_low), "eps_high": float(self.epsilon_high),
+               "dual_clip": None if self.args.delta is None else float(self.args.delta),
+               "importance_sampling_level": level, "loss_agg_mode": _LOSS_AGG[loss_type]}
     kwargs = {}
     if beta != 0.0:
         ref = inputs["ref_per_token_logps"]

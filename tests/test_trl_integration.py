@@ -384,3 +384,17 @@ def test_import_does_not_import_trl_unless_asked():
     out = subprocess.run([sys.executable, "-W", "always", "-c", code], check=False, capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0 and "FLASHRL_PATCH=not-a-framework: not patched" in out.stderr, out.stderr
+
+
+@needs_supported
+def test_trl_grpo_bench_cases_run_at_tiny_size(monkeypatch):
+    from flashrl_kernels.benchmarks import trl_grpo
+
+    monkeypatch.setattr(trl_grpo, "sizes", lambda quick: (2, 3, 5, 16, 1000))
+    cases = trl_grpo.cases(True, torch.device("cpu"))
+    assert [c.impl for c in cases] == ["TRL 1.16 fused head", "TRL + flashrl", "TRL logits path"]
+    assert sum(c.baseline for c in cases) == 1
+    losses = [c.make()().item() for c in cases]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2) and losses[2] == pytest.approx(losses[0], rel=2e-2)
+    assert not fk_trl.is_patched()  # the patched case undoes its patch after each call

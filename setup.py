@@ -33,6 +33,7 @@ class BuildPyWithCsrc(build_py):
                 self.copy_file(str(f), str(target), preserve_mode=False)
 
 
+DEMO = ["transformers>=4.45", "tokenizers", "matplotlib", "pyyaml"]
 TRITON = 'triton>=3.0; platform_system == "Linux" and platform_machine == "x86_64"'
 
 setup(
@@ -45,8 +46,10 @@ setup(
     packages=find_packages(include=["flashrl_kernels", "flashrl_kernels.*"]),
     install_requires=["torch>=2.4", "numpy", "tqdm", TRITON],
     extras_require={
+        # the reference trainer and its demo (tiny Qwen2 built locally, figure, YAML configs)
+        "demo": DEMO,
         # trl: tests/test_trl_integration.py runs the integration against the TRL releases it supports
-        "test": ["pytest>=7", "pytest-benchmark>=4", "trl>=1.16,<1.17"],
+        "test": ["pytest>=7", "pytest-benchmark>=4", *DEMO, "trl>=1.16,<1.17"],
         "bench": ["pytest-benchmark>=4"],
         "trl": ["trl>=1.16,<1.17", "transformers"],  # the range flashrl_kernels.integrations.trl supports
         "vllm": ["vllm"],

@@ -33,16 +33,22 @@ def _cmd_info(args) -> int:
     except ImportError:
         print("triton not installed")
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    ops = {"token_logprobs": "token_logprobs_forward", "linear_token_logprobs": "linear_logprobs_stats",
+           "policy_loss": "policy_loss_forward", "quantize_rows": "quantize_rows_forward"}
     for dev in devices:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
-        try:
-            chosen = _backend.selected_backend(dev)
-        except Exception as exc:
-            chosen = f"error: {exc}"
-        print(f"\n{dev.type} ({name}): ops run on -> {chosen}")
+        print(f"\n{dev.type} ({name})")
         for b in _backend.BACKENDS:
             reason = _backend.availability(b, dev)
             print(f"  {b:<10} {'available' if reason is None else 'unavailable: ' + reason}")
+        for op, fn in ops.items():
+            try:
+                chosen = _backend.selected_backend(dev, fn)
+            except Exception as exc:
+                chosen = f"error: {exc}"
+            print(f"  {op:<22} runs on {chosen}")
+    print()
+    print(fk.native_status().summary())
     return 0
 
 
@@ -134,6 +140,20 @@ def _cmd_demo(args) -> int:
     return _run_training(cfg)
 
 
+def _cmd_ablate(args) -> int:
+    from flashrl_kernels.trainer.ablation import format_ablation, run_ablation
+
+    try:
+        cfg = _train_config(args, {"out_dir": "runs/ablate"})
+    except ValueError as exc:
+        print(f"flashrl-kernels ablate: {exc}", file=sys.stderr)
+        return 2
+    rows = run_ablation(cfg)
+    print()
+    print(format_ablation(rows))
+    return 0
+
+
 def _cmd_train(args) -> int:
     try:
         cfg = _train_config(args, {"out_dir": "runs/train"})
@@ -163,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a short GRPO run of the reference trainer: INT8 rollout + TIS (CPU, minutes)")
     _add_train_flags(demo)
     demo.set_defaults(func=_cmd_demo)
+
+    ab = sub.add_parser("ablate", help="bf16 vs INT8/FP8 rollout, with and without TIS, GRPO vs GFPO: one table")
+    _add_train_flags(ab)
+    ab.set_defaults(func=_cmd_ablate)
 
     tr = sub.add_parser("train", help="the reference GRPO/GSPO trainer with every option")
     tr.add_argument("--config", default=None, metavar="FILE.yaml", help="options as a YAML mapping")

@@ -14,7 +14,8 @@ def test_info_lists_every_backend(capsys):
     out = capsys.readouterr().out
     for b in ("reference", "torch", "triton", "native"):
         assert b in out
-    assert "ops run on ->" in out
+    assert "token_logprobs         runs on" in out and "policy_loss            runs on" in out
+    assert "native CPU kernels:" in out
 
 
 def test_bench_rejects_unknown_op(capsys):

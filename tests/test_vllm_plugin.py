@@ -186,6 +186,21 @@ def test_sync_equals_fresh_engine_from_checkpoint(engines, ckpts, quant):
     assert ids != ids0  # the perturbation changed the rollout: the comparison above is not vacuous
 
 
+def test_sync_into_a_plain_bf16_engine(engines, ckpts):
+    """Without flashrl quantization sync_weights takes vLLM's reload path: same result as a fresh engine."""
+    target = engines(None, "base", tag="sync")
+    ids0, _ = generate(target)
+    res = sync_weights(target, state_dict_of(ckpts["perturbed"]))
+    assert res.n_tensors == 2 * 12 + 3 and res.bytes_written > 0
+    ids, lps = generate(target)
+    ids_f, lps_f = generate(engines(None, "perturbed"))
+    assert ids == ids_f and ids != ids0
+    assert torch.equal(torch.tensor(lps), torch.tensor(lps_f))
+    with pytest.raises(ValueError):  # validation still runs first
+        sync_weights(target, {"model.no_such.weight": torch.zeros(3)})
+    assert generate(target)[0] == ids
+
+
 def test_sync_fp32_master_weights_subset(engines, ckpts):
     """Trainer fp32 tensors, a subset of the model: quantized exactly as quantize_rows does; the rest untouched."""
     llm = engines("flashrl_int8", "base", tag="fp32")

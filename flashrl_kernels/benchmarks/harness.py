@@ -57,6 +57,22 @@ class Result:
     mem_ratio: float | None = None  # this peak / baseline peak
 
 
+def flashrl_backends(device: torch.device, op: str) -> list[str]:
+    """The non-reference backends worth timing for `op` (a backend function name) on `device`.
+
+    Triton on a CPU (the interpreter) is a correctness tool, not a timing.
+    """
+    from flashrl_kernels import _backend
+
+    out = []
+    for b in ("torch", "native", "triton"):
+        if _backend.availability(b, device) is not None or (b == "triton" and device.type != "cuda"):
+            continue
+        if hasattr(importlib.import_module(_backend._PACKAGES[b]), op):
+            out.append(b)
+    return out
+
+
 def op_modules() -> list[str]:
     """Names of the benchmark modules shipped in this package."""
     pkg = importlib.import_module("flashrl_kernels.benchmarks")

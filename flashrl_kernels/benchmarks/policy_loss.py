@@ -12,14 +12,12 @@ Bytes: logp, old_logp, rollout_logp, ref_logp read (16 B/token) + mask
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 
 import flashrl_kernels as fk
-from flashrl_kernels import _backend
 
-from .harness import Case
+from .harness import Case, flashrl_backends
 
 EPS_LOW, EPS_HIGH, TIS_CAP, BETA = 0.2, 0.28, 2.0, 0.04
 CONFIG = fk.LossConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, tis_mode="token_truncate", tis_min=0.0, tis_max=TIS_CAP,
@@ -103,10 +101,8 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
     size = f"B={b} T={t} fp32"
     impls = [("eager torch (trainer code)", eager_loss, True),
              ("torch.compile", lambda *a: _compiled_eager()(*a), False)]
-    for backend in ("torch", "native", "triton"):
-        runs_here = _backend.availability(backend, device) is None and not (backend == "triton" and device.type != "cuda")
-        if runs_here and hasattr(importlib.import_module(_backend._PACKAGES[backend]), "policy_loss_forward"):
-            impls.append((f"flashrl[{backend}]", _flashrl(backend), False))
+    for backend in flashrl_backends(device, "policy_loss_forward"):
+        impls.append((f"flashrl[{backend}]", _flashrl(backend), False))
     out = []
     for mode, backward, nbytes in (("fwd", False, 17 * n + 4 * b), ("fwd+bwd", True, 21 * n + 4 * b)):
         for name, fn, base in impls:

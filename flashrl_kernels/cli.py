@@ -63,6 +63,8 @@ def _cmd_bench(args) -> int:
             print(f"unknown op(s) {', '.join(unknown)}; available: {', '.join(modules)}", file=sys.stderr)
             return 2
         modules = args.op
+    else:
+        modules = harness.op_modules(include_optional=False)
     copy_gbps = harness.copy_bandwidth_gbps(device)
     print(f"device {device}  measured copy bandwidth {copy_gbps:.1f} GB/s (read + write)", flush=True)
     results = harness.run(
@@ -171,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
 
     bench = sub.add_parser("bench", help="time the ops against the paths trainers use today")
-    bench.add_argument("--op", action="append", help="op to benchmark (repeatable); default: all")
+    bench.add_argument("--op", action="append",
+                       help="op to benchmark (repeatable); default: all ops (trl_grpo, a whole TRL step, only by name)")
     bench.add_argument("--quick", action="store_true", help="small sizes, fewer repeats (a smoke run)")
     bench.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 5, quick 3)")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")

@@ -73,10 +73,17 @@ def flashrl_backends(device: torch.device, op: str) -> list[str]:
     return out
 
 
-def op_modules() -> list[str]:
-    """Names of the benchmark modules shipped in this package."""
+def op_modules(include_optional: bool = True) -> list[str]:
+    """Names of the benchmark modules shipped in this package.
+
+    A module that sets `IN_DEFAULT_RUN = False` (a whole-trainer step taking minutes on a CPU) runs only
+    when asked for by name; `include_optional=False` leaves those out.
+    """
     pkg = importlib.import_module("flashrl_kernels.benchmarks")
-    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "harness" and not m.name.startswith("_"))
+    names = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "harness" and not m.name.startswith("_"))
+    if include_optional:
+        return names
+    return [n for n in names if getattr(importlib.import_module(f"{pkg.__name__}.{n}"), "IN_DEFAULT_RUN", True)]
 
 
 def load_cases(module: str, quick: bool, device: torch.device) -> list[Case]:
@@ -178,7 +185,7 @@ def run(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     repeats = repeats or (3 if quick else 5)
     todo = []
-    for module in modules or op_modules():
+    for module in modules or op_modules(include_optional=False):
         for index, case in enumerate(load_cases(module, quick, device)):
             if impl_filter and impl_filter not in case.impl and not case.baseline:
                 continue

@@ -23,6 +23,7 @@ import torch
 from flashrl_kernels.benchmarks.harness import Case
 
 OP = "trl_grpo"
+IN_DEFAULT_RUN = False  # ~10 minutes on a 2-core CPU at the full size: `flashrl-kernels bench --op trl_grpo`
 
 
 def sizes(quick: bool):

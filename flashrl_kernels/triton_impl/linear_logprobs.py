@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..torch_impl.linear_logprobs import backward_loop, stats_loop
+from .logprobs import logprob_grad_block, online_lse_step
 
 
 @triton.jit
@@ -46,15 +47,7 @@ def _linear_fwd_tile_kernel(
             u = u + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
         if TEMPERATURE != 1.0:
             u = u / TEMPERATURE
-        m_new = tl.maximum(m, tl.max(u, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_ref)
-        e = tl.exp(u - m_ref)
-        if RETURN_ENTROPY:
-            shift = s * tl.where(s > 0, m - m_ref, 0.0)
-            w = alpha * (w + shift) + tl.sum(e * tl.where(e > 0, u - m_ref, 0.0), axis=0)
-        s = s * alpha + tl.sum(e, axis=0)
-        m = m_new
+        m, s, w = online_lse_step(u, m, s, w, RETURN_ENTROPY)
 
     # the target's u, if this tile holds it
     owned = (tgt >= 0) & (tgt < COLS)
@@ -95,6 +88,8 @@ def _linear_bwd_tile_kernel(
     tgt = tl.load(TGT + r).to(tl.int64)
     lse = tl.load(LSE + r)
     g_lp = tl.load(GLP + r)
+    g_h = 0.0
+    h = 0.0
     if HAS_GH:
         g_h = tl.load(GH + r)
         h = tl.load(ENT + r)
@@ -106,14 +101,7 @@ def _linear_bwd_tile_kernel(
             u = u + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
         if TEMPERATURE != 1.0:
             u = u / TEMPERATURE
-        logp = u - lse
-        p = tl.exp(logp)
-        g = -g_lp * p
-        if HAS_GH:
-            g = g - g_h * p * tl.where(p > 0, logp + h, 0.0)
-        g = tl.where(offs == tgt, g + g_lp, g)
-        if TEMPERATURE != 1.0:
-            g = g / TEMPERATURE
+        g = logprob_grad_block(u, offs, tgt, lse, g_lp, g_h, h, TEMPERATURE, HAS_GH)
         tl.store(dz_row + offs, g.to(DZ.dtype.element_ty), mask=mask)
 
 

@@ -17,6 +17,39 @@ from .._checks import rows_as_3d
 
 
 @triton.jit
+def online_lse_step(u, m, s, w, RETURN_ENTROPY: tl.constexpr):
+    """Fold one block of scaled logits `u` into a row's running statistics.
+
+    m: running max; s = sum exp(u - m); w = sum exp(u - m) (u - m) (entropy = log s - w / s).
+    While every value seen is -inf, the reference point stays 0 so no exp(-inf - -inf) arises.
+    """
+    m_new = tl.maximum(m, tl.max(u, axis=0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_ref)
+    e = tl.exp(u - m_ref)
+    if RETURN_ENTROPY:
+        shift = s * tl.where(s > 0, m - m_ref, 0.0)
+        w = alpha * (w + shift) + tl.sum(e * tl.where(e > 0, u - m_ref, 0.0), axis=0)
+    s = s * alpha + tl.sum(e, axis=0)
+    return m_new, s, w
+
+
+@triton.jit
+def logprob_grad_block(u, offs, tgt, lse, g_lp, g_h, h, TEMPERATURE: tl.constexpr, HAS_GRAD_ENT: tl.constexpr):
+    """Gradient of g_lp * logp + g_h * H w.r.t. the raw logits z of one block (u = z / T):
+    dlogp/dz_k = (1[k = y] - p_k) / T,  dH/dz_k = -p_k (log p_k + H) / T."""
+    logp = u - lse
+    p = tl.exp(logp)
+    g = -g_lp * p
+    if HAS_GRAD_ENT:
+        g = g - g_h * p * tl.where(p > 0, logp + h, 0.0)
+    g = tl.where(offs == tgt, g + g_lp, g)
+    if TEMPERATURE != 1.0:
+        g = g / TEMPERATURE
+    return g
+
+
+@triton.jit
 def _token_logprobs_fwd_kernel(
     X, stride_b, stride_t, T_LEN, TGT, LOGP, ENT, LSE, V, ignore_index,
     TEMPERATURE: tl.constexpr, HAS_IGNORE: tl.constexpr, RETURN_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -34,15 +67,7 @@ def _token_logprobs_fwd_kernel(
         u = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         if TEMPERATURE != 1.0:
             u = u / TEMPERATURE
-        m_new = tl.maximum(m, tl.max(u, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # keeps exp() finite while all seen are -inf
-        alpha = tl.exp(m - m_ref)
-        e = tl.exp(u - m_ref)
-        if RETURN_ENTROPY:
-            shift = s * tl.where(s > 0, m - m_ref, 0.0)
-            w = alpha * (w + shift) + tl.sum(e * tl.where(e > 0, u - m_ref, 0.0), axis=0)
-        s = s * alpha + tl.sum(e, axis=0)
-        m = m_new
+        m, s, w = online_lse_step(u, m, s, w, RETURN_ENTROPY)
 
     log_s = tl.log(s)
     lse = m + log_s
@@ -76,6 +101,8 @@ def _token_logprobs_bwd_kernel(
         keep = keep & (tgt != ignore_index)
     g_lp = tl.where(keep, tl.load(GRAD_LOGP + row), 0.0)
     lse = tl.load(LSE + row)
+    g_h = 0.0
+    h = 0.0
     if HAS_GRAD_ENT:
         g_h = tl.where(keep, tl.load(GRAD_ENT + row), 0.0)
         h = tl.load(ENT + row)
@@ -85,14 +112,7 @@ def _token_logprobs_bwd_kernel(
         u = tl.load(x_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
         if TEMPERATURE != 1.0:
             u = u / TEMPERATURE
-        logp = u - lse
-        p = tl.exp(logp)
-        g = -g_lp * p
-        if HAS_GRAD_ENT:
-            g = g - g_h * p * tl.where(p > 0, logp + h, 0.0)
-        g = tl.where(offs == tgt, g + g_lp, g)
-        if TEMPERATURE != 1.0:
-            g = g / TEMPERATURE
+        g = logprob_grad_block(u, offs, tgt, lse, g_lp, g_h, h, TEMPERATURE, HAS_GRAD_ENT)
         tl.store(g_row + offs, g.to(GRAD_X.dtype.element_ty), mask=mask)
 
 

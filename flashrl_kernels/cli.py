@@ -131,11 +131,18 @@ def _run_training(cfg, resume=None) -> int:
     return 0
 
 
-def _cmd_demo(args) -> int:
+def _config_or_none(args, command: str):
+    """The TrainConfig the command line asks for, or None after saying what is wrong with it."""
     try:
-        cfg = _train_config(args, {"out_dir": "runs/demo"})
-    except ValueError as exc:
-        print(f"flashrl-kernels demo: {exc}", file=sys.stderr)
+        return _train_config(args, {"out_dir": f"runs/{command}"})
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"flashrl-kernels {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_demo(args) -> int:
+    cfg = _config_or_none(args, "demo")
+    if cfg is None:
         return 2
     print("flashrl-kernels demo: GRPO on the built-in arithmetic task, INT8 rollout with TIS "
           "(tiny Qwen2, CPU-sized; see `flashrl-kernels train --help` for every option)", flush=True)
@@ -145,10 +152,8 @@ def _cmd_demo(args) -> int:
 def _cmd_ablate(args) -> int:
     from flashrl_kernels.trainer.ablation import format_ablation, run_ablation
 
-    try:
-        cfg = _train_config(args, {"out_dir": "runs/ablate"})
-    except ValueError as exc:
-        print(f"flashrl-kernels ablate: {exc}", file=sys.stderr)
+    cfg = _config_or_none(args, "ablate")
+    if cfg is None:
         return 2
     rows = run_ablation(cfg)
     print()
@@ -157,10 +162,8 @@ def _cmd_ablate(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    try:
-        cfg = _train_config(args, {"out_dir": "runs/train"})
-    except (ValueError, TypeError, OSError) as exc:
-        print(f"flashrl-kernels train: {exc}", file=sys.stderr)
+    cfg = _config_or_none(args, "train")
+    if cfg is None:
         return 2
     return _run_training(cfg, resume=args.resume)
 

@@ -24,7 +24,18 @@ import triton
 import triton.language as tl
 
 from ..torch_impl.linear_logprobs import backward_loop, stats_loop
-from .logprobs import logprob_grad_block, online_lse_step
+from .logprobs import block_v, logprob_grad_block, online_lse_step
+
+
+@triton.jit
+def _scaled_logits(z_row, BIAS, offs, mask, HAS_BIAS: tl.constexpr, TEMPERATURE: tl.constexpr):
+    """One block of a tile row as (z + bias) / T in fp32; -inf past the tile's edge."""
+    u = tl.load(z_row + offs, mask=mask, other=float("-inf"))
+    if HAS_BIAS:
+        u = u + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+    if TEMPERATURE != 1.0:
+        u = u / TEMPERATURE
+    return u
 
 
 @triton.jit
@@ -42,11 +53,7 @@ def _linear_fwd_tile_kernel(
     for start in range(0, COLS, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < COLS
-        u = tl.load(z_row + offs, mask=mask, other=float("-inf"))
-        if HAS_BIAS:
-            u = u + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
-        if TEMPERATURE != 1.0:
-            u = u / TEMPERATURE
+        u = _scaled_logits(z_row, BIAS, offs, mask, HAS_BIAS, TEMPERATURE)
         m, s, w = online_lse_step(u, m, s, w, RETURN_ENTROPY)
 
     # the target's u, if this tile holds it
@@ -96,17 +103,9 @@ def _linear_bwd_tile_kernel(
     for start in range(0, COLS, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < COLS
-        u = tl.load(z_row + offs, mask=mask, other=float("-inf"))
-        if HAS_BIAS:
-            u = u + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
-        if TEMPERATURE != 1.0:
-            u = u / TEMPERATURE
+        u = _scaled_logits(z_row, BIAS, offs, mask, HAS_BIAS, TEMPERATURE)
         g = logprob_grad_block(u, offs, tgt, lse, g_lp, g_h, h, TEMPERATURE, HAS_GH)
         tl.store(dz_row + offs, g.to(DZ.dtype.element_ty), mask=mask)
-
-
-def _block(cols: int) -> int:
-    return min(triton.next_power_of_2(cols), 4096)
 
 
 def _fwd_epilogue(z, bias_c, tgt_c, temperature, return_entropy, m, s, w, zt):
@@ -114,7 +113,7 @@ def _fwd_epilogue(z, bias_c, tgt_c, temperature, return_entropy, m, s, w, zt):
     _linear_fwd_tile_kernel[(rows,)](
         z, z.stride(0), bias_c if bias_c is not None else z, tgt_c, m, s, w, zt, cols,
         HAS_BIAS=bias_c is not None, TEMPERATURE=float(temperature), RETURN_ENTROPY=bool(return_entropy),
-        BLOCK=_block(cols), num_warps=8,
+        BLOCK=block_v(cols), num_warps=8,
     )
 
 
@@ -126,7 +125,7 @@ def _bwd_epilogue(z, bias_c, tgt_c, temperature, lse, ent, g_lp, g_h, out_dtype)
         z, z.stride(0), bias_c if bias_c is not None else z, tgt_c, lse, ent if has_gh else lse,
         g_lp, g_h if has_gh else g_lp, dz, dz.stride(0), cols,
         HAS_BIAS=bias_c is not None, TEMPERATURE=float(temperature), HAS_GH=has_gh,
-        BLOCK=_block(cols), num_warps=8,
+        BLOCK=block_v(cols), num_warps=8,
     )
     return dz
 

@@ -116,7 +116,7 @@ def _token_logprobs_bwd_kernel(
         tl.store(g_row + offs, g.to(GRAD_X.dtype.element_ty), mask=mask)
 
 
-def _block_v(v: int) -> int:
+def block_v(v: int) -> int:
     return min(triton.next_power_of_2(v), 4096)
 
 
@@ -136,7 +136,7 @@ def token_logprobs_forward(logits, targets, temperature, ignore_index, return_en
         x3, x3.stride(0), x3.stride(1), t_len, tgt, logp, ent if return_entropy else logp, lse, v,
         0 if ignore_index is None else ignore_index,
         TEMPERATURE=float(temperature), HAS_IGNORE=ignore_index is not None, RETURN_ENTROPY=return_entropy,
-        BLOCK_V=_block_v(v), num_warps=8,
+        BLOCK_V=block_v(v), num_warps=8,
     )
     return logp, ent, lse
 
@@ -151,6 +151,6 @@ def token_logprobs_backward(grad_logprobs, grad_entropy, logits, targets, lse, e
         x3, x3.stride(0), x3.stride(1), t_len, targets.reshape(-1), g_lp, g_h, lse,
         entropy if has_ge else lse, grad, v, 0 if ignore_index is None else ignore_index,
         TEMPERATURE=float(temperature), HAS_IGNORE=ignore_index is not None, HAS_GRAD_ENT=has_ge,
-        BLOCK_V=_block_v(v), num_warps=8,
+        BLOCK_V=block_v(v), num_warps=8,
     )
     return grad.view(logits.shape)

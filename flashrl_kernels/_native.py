@@ -10,9 +10,10 @@ running (so its ABI always matches), and cached:
     else $XDG_CACHE_HOME/flashrl_kernels (~/.cache/flashrl_kernels),
     else a per-user folder in the temp dir if none of those is writable.
 
-The cache key hashes the sources, the torch version, the compiler and its
-flags (including the CPU capability torch dispatches to), so a change in any
-of them builds a new library next to the old one. Concurrent first uses
+The cache key hashes the sources and the headers next to them, the torch
+version, the compiler and its flags (including the CPU capability torch
+dispatches to), so a change in any of them builds a new library next to the
+old one. Concurrent first uses
 (several ranks, pytest-xdist) serialise on a file lock and compile once.
 
 Nothing here runs at `import flashrl_kernels`: `load()` is called when the
@@ -102,6 +103,12 @@ def source_dir() -> Path | None:
 def sources() -> list[Path]:
     d = source_dir()
     return sorted((d / "cpu").glob("*.cpp")) if d is not None else []
+
+
+def headers(srcs: list[Path]) -> list[Path]:
+    """The headers next to the sources (csrc/cpu/*.h, included as "name.h"): part of the build key."""
+    dirs = sorted({s.parent for s in srcs})
+    return sorted(h for d in dirs for ext in ("*.h", "*.hpp") for h in d.glob(ext))
 
 
 # ---------------------------------------------------------------- cache
@@ -209,7 +216,7 @@ def _build_key(cxx: str, srcs: list[Path]) -> str:
     h.update(str(getattr(torch.version, "git_version", "")).encode())
     h.update(_compiler_id(cxx).encode())
     h.update(" ".join(_compile_flags() + _link_flags()).encode())
-    for s in srcs:
+    for s in [*srcs, *headers(srcs)]:
         h.update(s.name.encode())
         h.update(s.read_bytes())
     return h.hexdigest()[:16]

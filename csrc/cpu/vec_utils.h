@@ -1,0 +1,108 @@
+// Vector helpers shared by the native CPU kernels (csrc/cpu/*.cpp): ATen's
+// Vectorized<float> for the CPU capability the library is built for (see
+// flashrl_kernels/_native.py), loads/stores converting bf16/fp16 <-> fp32,
+// lane reductions, and a fast 2^t (exp2_clamped; accuracy notes in
+// token_logprobs.cpp). Everything is inline: each .cpp is its own translation
+// unit, all linked into one library.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace flashrl_native {
+
+using Vec = at::vec::Vectorized<float>;
+inline constexpr int64_t kW = Vec::size();
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline Vec load_f32(const T* p) {
+  Vec out;
+  at::vec::load_to_float(p, out);
+  return out;
+}
+template <>
+inline Vec load_f32<float>(const float* p) {
+  return Vec::loadu(p);
+}
+
+// Two fp32 vectors (2 * kW values) converted and stored to `dst` in T.
+template <typename T>
+inline void store_pair(T* dst, const Vec& a, const Vec& b) {
+  at::vec::convert_from_float<T>(a, b).store(dst);
+}
+template <>
+inline void store_pair<float>(float* dst, const Vec& a, const Vec& b) {
+  a.store(dst);
+  b.store(dst + kW);
+}
+
+// Max over the lanes of v (a NaN lane may be dropped; NaN rows are caught by the sums).
+inline float lane_max(const Vec& v) {
+  alignas(64) float buf[kW];
+  v.store(buf);
+  float m = buf[0];
+  for (int64_t i = 1; i < kW; ++i) m = std::max(m, buf[i]);
+  return m;
+}
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr double kLn2d = 0.69314718055994531;
+inline constexpr float kT2Min = -200.f;  // 2^-200 underflows to 0: clamp t there (keeps 0 * t finite at t = -inf)
+
+inline Vec plain_max(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_max_ps(a, b);
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
+// 2^t for t already clamped to >= kT2Min (NaN and +inf propagate as NaN / inf).
+inline Vec exp2_clamped(const Vec& t) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // 2^t = 2^n * 2^f, n = round(t), f in [-1/2, 1/2]; ATen exp_u20's polynomial for e^r with r = f ln 2
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0.0013215929f);  // 0.00828929059 ln2^5
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0096318647f));   // 0.0418978221 ln2^4
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055507725f));    // 0.166676521 ln2^3
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022240f));     // 0.499991506 ln2^2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314697f));     // 0.999999701 ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+#elif defined(CPU_CAPABILITY_AVX2)
+  // Same polynomial; 2^n built in the exponent bits. t is clamped at -127 so n + 127 >= 0: results
+  // below 2^-126.5 become exactly 0 (no denormals), as do the t = kT2Min of -inf logits.
+  const __m256 tt = _mm256_max_ps(_mm256_set1_ps(-127.f), t);  // NaN in t passes through
+  const __m256 n = _mm256_round_ps(tt, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(tt, n);
+  __m256 p = _mm256_set1_ps(0.0013215929f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0096318647f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.055507725f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022240f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69314697f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+#else
+  // exp_u20 maps NaN to a finite value; (t - t) is 0 for finite t and NaN for NaN / +inf, restoring propagation
+  return (t * Vec(static_cast<float>(kLn2d))).exp_u20() + (t - t);
+#endif
+}
+
+inline double lane_sum(const Vec& v) {
+  alignas(64) float buf[kW];
+  v.store(buf);
+  double s = 0.0;
+  for (int64_t i = 0; i < kW; ++i) s += buf[i];
+  return s;
+}
+
+}  // namespace flashrl_native

@@ -17,7 +17,7 @@ from conftest import DEVICE, available_backends
 import flashrl_kernels as fk
 from flashrl_kernels.reference import linear_token_logprobs_spec
 
-# backends that implement this op (native has CPU token_logprobs only; auto-selection skips it here)
+# backends that implement this op (native: torch_impl tile loops with the C++ epilogues)
 BACKENDS = available_backends(DEVICE, op="linear_logprobs_stats")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS32 = torch.finfo(torch.float32).eps

@@ -7,18 +7,29 @@ unavailable. The functions have the signatures of every other backend
 package. Ops without a native kernel yet are simply absent: under automatic
 selection they run on the torch backend (see _backend.implementation).
 
+Native so far:
+  token_logprobs         -> logprobs.py             + csrc/cpu/token_logprobs.cpp
+  linear_token_logprobs  -> linear_logprobs.py      + csrc/cpu/linear_logprobs.cpp
+                            (torch_impl's tile loops and ATen GEMMs, native per-tile epilogues)
+
 Ops still to come (being written separately; add the wrapper module and one
 import line here, and the kernels as csrc/cpu/<op>.cpp with their own
 TORCH_LIBRARY_FRAGMENT(flashrl_native, m) / TORCH_LIBRARY_IMPL(flashrl_native, CPU, m)
-blocks, which the build picks up automatically):
+blocks, which the build picks up automatically; shared vector helpers are in
+csrc/cpu/vec_utils.h):
   policy_loss            -> policy_loss.py          + csrc/cpu/policy_loss.cpp
-  linear_token_logprobs  -> linear_logprobs.py      + csrc/cpu/linear_logprobs.cpp
 """
 from .. import _native
 
 if not _native.load():
     raise ImportError(f"flashrl native CPU kernels unavailable: {_native.native_status().reason}")
 
+from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 
-__all__ = ["token_logprobs_backward", "token_logprobs_forward"]
+__all__ = [
+    "linear_logprobs_backward",
+    "linear_logprobs_stats",
+    "token_logprobs_backward",
+    "token_logprobs_forward",
+]

@@ -70,10 +70,10 @@ inline Vec exp2_clamped(const Vec& t) {
   // 2^t = 2^n * 2^f, n = round(t), f in [-1/2, 1/2]; ATen exp_u20's polynomial for e^r with r = f ln 2
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(0.0013215929f);  // 0.00828929059 ln2^5
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0096318647f));   // 0.0418978221 ln2^4
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055507725f));    // 0.166676521 ln2^3
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022240f));     // 0.499991506 ln2^2
+  __m512 p = _mm512_set1_ps(0.0013263089f);  // 0.00828929059 ln2^5
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0096714879f));   // 0.0418978221 ln2^4
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055507390f));    // 0.166676521 ln2^3
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022243f));     // 0.499991506 ln2^2
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314697f));     // 0.999999701 ln2
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
@@ -83,10 +83,10 @@ inline Vec exp2_clamped(const Vec& t) {
   const __m256 tt = _mm256_max_ps(_mm256_set1_ps(-127.f), t);  // NaN in t passes through
   const __m256 n = _mm256_round_ps(tt, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(tt, n);
-  __m256 p = _mm256_set1_ps(0.0013215929f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0096318647f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.055507725f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022240f));
+  __m256 p = _mm256_set1_ps(0.0013263089f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0096714879f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.055507390f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022243f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.69314697f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);

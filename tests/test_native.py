@@ -243,3 +243,188 @@ def test_side_by_side_bench_script_runs_at_tiny_size(capsys):
     assert all(set(r) == {"eager", "flashrl native"} and min(r.values()) > 0 for r in results.values())
     assert acc["flashrl native"] < 1e-4 and acc["eager"] < 1e-4
     assert "of copy bw" in capsys.readouterr().out
+
+
+# ---- linear_token_logprobs epilogues (csrc/cpu/linear_logprobs.cpp) ----
+
+def _linear_tiles(rows, cols_list, bias_dtype, scale=5.0):
+    """Logits tiles of one row block (fp32, as the tile GEMM returns them), their biases, and odd rows:
+    row 0 -inf over most of the first tile (a -inf prefix), row 1 -inf everywhere, row 2 growing by tile."""
+    tiles, biases = [], []
+    for i, cols in enumerate(cols_list):
+        z = torch.randn(rows, cols) * scale
+        z[0, : (cols * 3) // 4 if i == 0 else 0] = float("-inf")
+        z[1] = float("-inf")
+        z[2] += 10.0 * i
+        tiles.append(z)
+        biases.append(torch.randn(cols).to(bias_dtype) if bias_dtype is not None else None)
+    return tiles, biases
+
+
+def _run_fwd_epilogue(epi, tiles, biases, targets, temperature, entropy):
+    rows = tiles[0].shape[0]
+    m = torch.full((rows,), float("-inf"))
+    s, w, zt = torch.zeros(rows), torch.zeros(rows), torch.zeros(rows)
+    v0 = 0
+    for z, b in zip(tiles, biases):
+        epi(z.clone(), b, targets - v0, temperature, entropy, m, s, w, zt)
+        v0 += z.shape[1]
+    return m, s, w, zt
+
+
+@needs_native
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cols_list", [[1, 37], [1041, 3001, 16]], ids=["narrow", "chunks-and-tails"])
+def test_linear_fwd_epilogue_matches_float64(bias_dtype, cols_list):
+    """Several tiles merged into running (m, s, w, zt): odd widths (1, not a multiple of the vector width,
+    several 1024-wide chunks), -inf prefixes and an all -inf row, bias in every dtype, T != 1."""
+    from flashrl_kernels.native.linear_logprobs import _fwd_epilogue
+    from flashrl_kernels.torch_impl.linear_logprobs import _fwd_epilogue_torch
+
+    rows, temperature = 6, 0.7
+    tiles, biases = _linear_tiles(rows, cols_list, bias_dtype)
+    v = sum(cols_list)
+    targets = torch.randint(0, v, (rows,))
+    targets[0] = v - 1
+    targets[3] = -100  # in no tile: zt keeps its initial 0
+    u = torch.cat([z.double() + (b.double() if b is not None else 0.0) for z, b in zip(tiles, biases)], 1) / temperature
+    m, s, w, zt = _run_fwd_epilogue(_fwd_epilogue, tiles, biases, targets, temperature, True)
+    m_t, s_t, w_t, _ = _run_fwd_epilogue(_fwd_epilogue_torch, tiles, biases, targets, temperature, True)
+
+    # the all -inf row: exactly the torch epilogue's state, no NaN
+    assert m[1] == float("-inf") and s[1] == 0 and w[1] == 0
+    assert (m_t[1], s_t[1], w_t[1]) == (m[1], s[1], w[1])
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep[1] = False
+    lse = (m.double() + s.double().log())[keep]
+    ent = (s.double().log() - w.double() / s.double())[keep]
+    ref_lse = torch.logsumexp(u, 1)[keep]
+    p = torch.softmax(u[keep], 1)
+    ref_ent = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(1)
+    tol = 1e-5 + 8 * torch.finfo(torch.float32).eps * float(u[torch.isfinite(u)].abs().max())
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=tol, rtol=0)
+    ref_zt = u.gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    ref_zt[3] = 0.0
+    torch.testing.assert_close(zt.double(), ref_zt, atol=tol, rtol=0)
+    # without entropy: same m and s, w untouched
+    m2, s2, w2, zt2 = _run_fwd_epilogue(_fwd_epilogue, tiles, biases, targets, temperature, False)
+    assert torch.equal(m2, m) and torch.equal(s2, s) and torch.equal(zt2, zt) and (w2 == 0).all()
+
+
+def _dz_float64(z, bias, targets, temperature, lse, ent, g_lp, g_h):
+    u = (z.double() + (bias.double() if bias is not None else 0.0)) / temperature
+    logp = u - lse.double()[:, None]
+    p = logp.exp()
+    onehot = torch.zeros_like(u)
+    owned = (targets >= 0) & (targets < z.shape[1])
+    onehot[owned, targets[owned]] = 1.0
+    dz = g_lp.double()[:, None] * (onehot - p)
+    if g_h is not None:
+        dz -= g_h.double()[:, None] * p * torch.where(p > 0, logp + ent.double()[:, None], torch.zeros_like(p))
+    return dz / temperature
+
+
+@needs_native
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("entropy", [True, False])
+def test_linear_bwd_epilogue_matches_float64(out_dtype, bias_dtype, entropy):
+    """dZ in the operand dtype straight from the kernel (fp32: over z in place), vs float64 from the same
+    fp32 tile and statistics; -inf logits give exact zeros, as do rows with no upstream gradient."""
+    from flashrl_kernels.native.linear_logprobs import _bwd_epilogue
+
+    rows, cols, temperature = 7, 2077, 1.3  # a ragged tail after whole vector pairs
+    z = torch.randn(rows, cols) * 4
+    z[0, :1500] = float("-inf")
+    bias = torch.randn(cols).to(bias_dtype) if bias_dtype is not None else None
+    targets = torch.randint(0, cols, (rows,))
+    targets[0] = 1600  # past the -inf prefix
+    targets[2] = -5  # the target lives in another tile: no one-hot term here
+    targets[4] = cols - 1
+    u = (z.double() + (bias.double() if bias is not None else 0.0)) / temperature
+    lse = torch.logsumexp(u, 1).float()
+    p = torch.softmax(u, 1)
+    ent = (-(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(1)).float()
+    g_lp = torch.randn(rows)
+    g_h = torch.randn(rows) if entropy else None
+    g_lp[5] = 0.0  # an ignored row
+    if g_h is not None:
+        g_h[5] = 0.0
+    zz = z.clone()
+    dz = _bwd_epilogue(zz, bias, targets, temperature, lse, ent, g_lp, g_h, out_dtype)
+    assert dz.dtype == out_dtype and dz.shape == z.shape
+    assert (dz.data_ptr() == zz.data_ptr()) == (out_dtype == torch.float32)
+    ref = _dz_float64(z, bias, targets, temperature, lse, ent, g_lp, g_h)
+    rnd = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[out_dtype]
+    err = (dz.double() - ref).abs()
+    bound = rnd * ref.abs() + 1e-5 * float(ref.abs().max())
+    assert (err <= bound).all(), f"max excess {float((err - bound).max())}"
+    assert (dz[0, :1500] == 0).all() and (dz[5] == 0).all()
+
+
+@needs_native
+def test_linear_epilogues_thread_count_does_not_change_results():
+    from flashrl_kernels.native.linear_logprobs import _bwd_epilogue, _fwd_epilogue
+
+    rows, cols = 64, 1500  # enough rows for at::parallel_for to split them
+    tiles, biases = _linear_tiles(rows, [cols, 999], torch.bfloat16)
+    targets = torch.randint(0, cols + 999, (rows,))
+    g_lp, g_h = torch.randn(rows), torch.randn(rows)
+    old = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            m, s, w, zt = _run_fwd_epilogue(_fwd_epilogue, tiles, biases, targets, 0.9, True)
+            lse, ent = m + s.log(), s.log() - w / s
+            lse[1], ent[1] = 0.0, 0.0  # the all -inf row
+            dz = _bwd_epilogue(tiles[0].clone(), biases[0], targets, 0.9, lse, ent, g_lp, g_h, torch.bfloat16)
+            results.append((m, s, w, zt, dz))
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"z": torch.zeros(3, 5, dtype=torch.bfloat16)}, "z must be float32"),
+        ({"z": torch.zeros(3, 5)[:, ::2]}, "unit stride"),
+        ({"bias": torch.zeros(4)}, "bias must be a contiguous 1-D tensor of the tile's 5 columns"),
+        ({"bias": torch.zeros(5, dtype=torch.float64)}, "bias must be float32, bfloat16 or float16"),
+        ({"target": torch.zeros(3, dtype=torch.int32)}, "target must be int64"),
+        ({"m": torch.zeros(4)}, "m must be a contiguous float32 tensor with one entry per row"),
+        ({"temperature": 0.0}, "temperature must be finite and positive"),
+    ],
+)
+def test_linear_fwd_epilogue_bad_inputs(change, match):
+    args = {
+        "z": torch.zeros(3, 5),
+        "bias": None,
+        "target": torch.zeros(3, dtype=torch.long),
+        "temperature": 1.0,
+        "return_entropy": True,
+        "m": torch.zeros(3),
+        "s": torch.zeros(3),
+        "w": torch.zeros(3),
+        "zt": torch.zeros(3),
+    }
+    args.update(change)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.flashrl_native.linear_fwd_epilogue(*args.values())
+
+
+@needs_native
+def test_linear_bwd_epilogue_bad_out():
+    z, t, r = torch.zeros(3, 5), torch.zeros(3, dtype=torch.long), torch.zeros(3)
+    with pytest.raises(RuntimeError, match="out must have the tile's shape"):
+        torch.ops.flashrl_native.linear_bwd_epilogue(z, None, t, 1.0, r, r, r, None, torch.zeros(3, 4))
+    with pytest.raises(RuntimeError, match="out must be float32, bfloat16 or float16"):
+        torch.ops.flashrl_native.linear_bwd_epilogue(
+            z, None, t, 1.0, r, r, r, None, torch.zeros(3, 5, dtype=torch.int32)
+        )
+    with pytest.raises(RuntimeError, match="grad_entropy must be a contiguous float32"):
+        torch.ops.flashrl_native.linear_bwd_epilogue(z, None, t, 1.0, r, r, r, torch.zeros(2), torch.zeros(3, 5))

@@ -11,6 +11,7 @@ only the per-tile epilogue is native, as for the Triton backend:
   gradient GEMMs; an fp32 dZ overwrites the logits tile itself
   (`torch.ops.flashrl_native.linear_bwd_epilogue`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,9 @@ from ..torch_impl.linear_logprobs import backward_loop, stats_loop
 
 
 def _fwd_epilogue(z, bias_c, tgt_c, temperature, return_entropy, m, s, w, zt):
-    torch.ops.flashrl_native.linear_fwd_epilogue(z, bias_c, tgt_c, float(temperature), bool(return_entropy), m, s, w, zt)
+    torch.ops.flashrl_native.linear_fwd_epilogue(
+        z, bias_c, tgt_c, float(temperature), bool(return_entropy), m, s, w, zt
+    )
 
 
 def _bwd_epilogue(z, bias_c, tgt_c, temperature, lse, ent, g_lp, g_h, out_dtype):
@@ -33,11 +36,33 @@ def linear_logprobs_stats(hidden, weight, bias, target_local, temperature, retur
 
 
 def linear_logprobs_backward(
-    grad_logp, grad_ent, hidden, weight, bias, target_local, lse, ent, temperature,
-    need_hidden, need_weight, need_bias, fp32_accumulate,
+    grad_logp,
+    grad_ent,
+    hidden,
+    weight,
+    bias,
+    target_local,
+    lse,
+    ent,
+    temperature,
+    need_hidden,
+    need_weight,
+    need_bias,
+    fp32_accumulate,
 ):
     return backward_loop(
-        grad_logp.float().contiguous(), None if grad_ent is None else grad_ent.float().contiguous(),
-        hidden, weight, bias, target_local, lse.contiguous(), ent.contiguous(), temperature,
-        need_hidden, need_weight, need_bias, fp32_accumulate, epilogue=_bwd_epilogue,
+        grad_logp.float().contiguous(),
+        None if grad_ent is None else grad_ent.float().contiguous(),
+        hidden,
+        weight,
+        bias,
+        target_local,
+        lse.contiguous(),
+        ent.contiguous(),
+        temperature,
+        need_hidden,
+        need_weight,
+        need_bias,
+        fp32_accumulate,
+        epilogue=_bwd_epilogue,
     )

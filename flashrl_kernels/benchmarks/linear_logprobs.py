@@ -2,14 +2,18 @@
 
 Against the unfused path a trainer writes today: `logits = hidden @ weight.T`
 (a full [N, V] tensor in the model dtype), then fp32 log_softmax and gather
-(and the same under torch.compile). fwd+bwd backpropagates a random
+(and the same under torch.compile), against each flashrl backend that can run
+on the device (`flashrl[torch]`, `flashrl[native]` on a CPU: same tile loops and
+GEMMs, torch vs C++ tile epilogues). fwd+bwd backpropagates a random
 per-token weight into hidden and weight.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from flashrl_kernels.benchmarks.harness import Case
+from flashrl_kernels.benchmarks.harness import Case, flashrl_backends
 
 OP = "linear_logprobs"
 
@@ -19,10 +23,14 @@ def unfused_logprobs(hidden, weight, targets):
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
 
 
-def fused_logprobs(hidden, weight, targets):
+def fused_logprobs(hidden, weight, targets, backend=None):
+    """flashrl on `backend` (None: the automatic choice)."""
     import flashrl_kernels as fk
 
-    return fk.linear_token_logprobs(hidden, weight, targets)
+    if backend is None:
+        return fk.linear_token_logprobs(hidden, weight, targets)
+    with fk.use_backend(backend):
+        return fk.linear_token_logprobs(hidden, weight, targets)
 
 
 _compiled = {}
@@ -77,9 +85,11 @@ def cases(quick: bool, device: torch.device) -> list[Case]:
         for mode in ("fwd", "fwd+bwd"):
             flops = (2 if mode == "fwd" else 6) * n * h * v
             nbytes = (n * h + v * h) * esz * (1 if mode == "fwd" else 3)
-            impls = [("unfused eager", unfused_logprobs, True), ("flashrl", fused_logprobs, False)]
+            impls = [("unfused eager", unfused_logprobs, True)]
             if not quick:
-                impls.insert(1, ("unfused torch.compile", compiled_unfused, False))
+                impls.append(("unfused torch.compile", compiled_unfused, False))
+            for b in flashrl_backends(device, "linear_logprobs_stats"):
+                impls.append((f"flashrl[{b}]", functools.partial(fused_logprobs, backend=b), False))
             for impl, fn, base in impls:
                 out.append(Case(op=OP, impl=impl, mode=mode, size=size, make=_maker(fn, n, h, v, dtype, device, mode),
                                 bytes=nbytes, flops=flops, baseline=base))

@@ -428,3 +428,17 @@ def test_linear_bwd_epilogue_bad_out():
         )
     with pytest.raises(RuntimeError, match="grad_entropy must be a contiguous float32"):
         torch.ops.flashrl_native.linear_bwd_epilogue(z, None, t, 1.0, r, r, r, torch.zeros(2), torch.zeros(3, 5))
+
+
+@needs_native
+def test_linear_side_by_side_bench_script_runs_at_tiny_size(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("native_linear_bench", ROOT / "bench" / "native_linear_logprobs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    epi, results = bench.main(["--rows", "8", "--hidden", "16", "--vocab", "301", "--repeats", "2", "--tile", "32x64"])
+    assert set(results) == {"fwd", "fwd+bwd"} and all(set(r) == {"torch", "native"} for r in results.values())
+    assert all(ms > 0 for r in results.values() for ms in r.values())
+    assert {"fwd epilogue torch", "fwd epilogue native", "bwd epilogue torch", "bwd epilogue native"} <= set(epi)
+    assert "torch/native" in capsys.readouterr().out

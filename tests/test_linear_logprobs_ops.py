@@ -222,7 +222,10 @@ def _vp_worker(rank, world, port, backend, split, result_dir):
 
 # uneven slices: 20 + 25 rows, and 44 + 1 row
 @pytest.mark.parametrize(
-    "backend, split", [("torch", 20)] + ([("triton", 44)] if "triton" in BACKENDS else [("torch", 44)])
+    "backend, split",
+    [("torch", 20)]
+    + ([("triton", 44)] if "triton" in BACKENDS else [("torch", 44)])
+    + ([("native", 44)] if "native" in BACKENDS else []),
 )
 def test_vocab_parallel_two_processes(backend, split, tmp_path):
     import torch.multiprocessing as mp

@@ -7,12 +7,11 @@ unavailable. The functions have the signatures of every other backend
 package. Ops without a native kernel yet are simply absent: under automatic
 selection they run on the torch backend (see _backend.implementation).
 
-Ops still to come (being written separately; add the wrapper module and one
-import line here, and the kernels as csrc/cpu/<op>.cpp with their own
+Native ops: token_logprobs (csrc/cpu/token_logprobs.cpp) and policy_loss
+(csrc/cpu/policy_loss.cpp). A new one is a wrapper module here plus one import
+line, and its kernels as csrc/cpu/<op>.cpp with their own
 TORCH_LIBRARY_FRAGMENT(flashrl_native, m) / TORCH_LIBRARY_IMPL(flashrl_native, CPU, m)
-blocks, which the build picks up automatically):
-  policy_loss            -> policy_loss.py          + csrc/cpu/policy_loss.cpp
-  linear_token_logprobs  -> linear_logprobs.py      + csrc/cpu/linear_logprobs.cpp
+blocks, which the build picks up automatically.
 """
 from .. import _native
 
@@ -20,5 +19,6 @@ if not _native.load():
     raise ImportError(f"flashrl native CPU kernels unavailable: {_native.native_status().reason}")
 
 from .logprobs import token_logprobs_backward, token_logprobs_forward
+from .policy_loss import policy_loss_backward, policy_loss_forward
 
-__all__ = ["token_logprobs_backward", "token_logprobs_forward"]
+__all__ = ["policy_loss_backward", "policy_loss_forward", "token_logprobs_backward", "token_logprobs_forward"]

@@ -199,27 +199,18 @@ inline Vec bit_or(const Vec& a, const Vec& b) { return a | b; }
 inline Vec ones_where(const Vec& m) { return m & Vec(1.f); }  // a compare mask as 1.0 / 0.0
 inline Vec select(const Vec& m, const Vec& yes, const Vec& no) { return Vec::blendv(no, yes, m); }
 
-inline double lane_sum(const Vec& v) {
+// Reduce the lanes of v with op, left to right (lanes in double for sums)
+template <typename T, typename Op>
+inline T lane_reduce(const Vec& v, T init, Op op) {
   alignas(64) float buf[kW];
   v.store(buf);
-  double s = 0.0;
-  for (int64_t i = 0; i < kW; ++i) s += buf[i];
-  return s;
+  T acc = init;
+  for (int64_t i = 0; i < kW; ++i) acc = op(acc, static_cast<T>(buf[i]));
+  return acc;
 }
-inline float lane_max(const Vec& v) {
-  alignas(64) float buf[kW];
-  v.store(buf);
-  float m = buf[0];
-  for (int64_t i = 1; i < kW; ++i) m = std::max(m, buf[i]);
-  return m;
-}
-inline float lane_min(const Vec& v) {
-  alignas(64) float buf[kW];
-  v.store(buf);
-  float m = buf[0];
-  for (int64_t i = 1; i < kW; ++i) m = std::min(m, buf[i]);
-  return m;
-}
+inline double lane_sum(const Vec& v) { return lane_reduce(v, 0.0, [](double a, double b) { return a + b; }); }
+inline float lane_max(const Vec& v) { return lane_reduce(v, -kInf, [](float a, float b) { return std::max(a, b); }); }
+inline float lane_min(const Vec& v) { return lane_reduce(v, kInf, [](float a, float b) { return std::min(a, b); }); }
 
 struct Config {
   float lo, hi, dual_c, tis_min, tis_max, beta, ent_coef;

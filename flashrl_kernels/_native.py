@@ -199,7 +199,10 @@ def _link_flags() -> list[str]:
     from torch.utils import cpp_extension
 
     lib_dirs = cpp_extension.library_paths()
-    return ["-shared", *_openmp_flags(), *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
+    # -z now: every symbol is resolved when the library loads, so one this torch does not export
+    # fails the load (and the CPU ops fall back to torch) instead of aborting on first call
+    now = ["-Wl,-z,now"] if sys.platform.startswith("linux") else []
+    return ["-shared", *_openmp_flags(), *now, *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
             "-lc10", "-ltorch_cpu"]
 
 

@@ -12,6 +12,14 @@ if not torch.cuda.is_available():
 
 from flashrl_kernels import _backend
 
+if os.environ.get("FLASHRL_BACKEND", "").strip().lower() == "native" and not _backend.native_built():
+    # CI runs the op tests a second time under FLASHRL_BACKEND=native: a native build that broke
+    # must fail that run, not quietly drop "native" from the parametrised backends
+    from flashrl_kernels import _native
+
+    raise RuntimeError(f"FLASHRL_BACKEND=native but the native CPU kernels are unavailable: "
+                       f"{_native.native_status().reason}")
+
 
 def available_backends(device="cpu", op="token_logprobs_forward"):
     """Backends that can run `op` (a backend function name) on `device` here."""

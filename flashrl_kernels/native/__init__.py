@@ -7,17 +7,14 @@ unavailable. The functions have the signatures of every other backend
 package. Ops without a native kernel yet are simply absent: under automatic
 selection they run on the torch backend (see _backend.implementation).
 
-Native so far:
-  token_logprobs         -> logprobs.py             + csrc/cpu/token_logprobs.cpp
-  linear_token_logprobs  -> linear_logprobs.py      + csrc/cpu/linear_logprobs.cpp
-                            (torch_impl's tile loops and ATen GEMMs, native per-tile epilogues)
-
-Ops still to come (being written separately; add the wrapper module and one
-import line here, and the kernels as csrc/cpu/<op>.cpp with their own
+Native ops: token_logprobs (csrc/cpu/token_logprobs.cpp), policy_loss
+(csrc/cpu/policy_loss.cpp) and linear_token_logprobs (csrc/cpu/linear_logprobs.cpp:
+torch_impl's tile loops and ATen GEMMs with native per-tile epilogues). A new
+one is a wrapper module here plus one import line, and its kernels as
+csrc/cpu/<op>.cpp with their own
 TORCH_LIBRARY_FRAGMENT(flashrl_native, m) / TORCH_LIBRARY_IMPL(flashrl_native, CPU, m)
 blocks, which the build picks up automatically; shared vector helpers are in
-csrc/cpu/vec_utils.h):
-  policy_loss            -> policy_loss.py          + csrc/cpu/policy_loss.cpp
+csrc/cpu/vec_utils.h.
 """
 from .. import _native
 
@@ -26,10 +23,13 @@ if not _native.load():
 
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
+from .policy_loss import policy_loss_backward, policy_loss_forward
 
 __all__ = [
     "linear_logprobs_backward",
     "linear_logprobs_stats",
+    "policy_loss_backward",
+    "policy_loss_forward",
     "token_logprobs_backward",
     "token_logprobs_forward",
 ]

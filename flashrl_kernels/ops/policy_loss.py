@@ -85,7 +85,7 @@ def _(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, uniform_len):
 
 def _setup_context(ctx, inputs, output):
     logp, entropy, mask, cu_seqlens, uniform_len = inputs[0], inputs[7], inputs[3], inputs[4], inputs[21]
-    _, metrics, g_tok, g_ent, seq_coef, scale = output
+    _, _, g_tok, g_ent, seq_coef, scale = output
     # only the loss is differentiable; without this autograd would hand the backward zero-filled
     # gradients for the other outputs (g_tok alone is [N] fp32: a 4 MB fill per step at 1M tokens)
     ctx.set_materialize_grads(False)

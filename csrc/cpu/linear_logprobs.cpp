@@ -279,20 +279,7 @@ void backward_row(const float* z, const B* b, TO* g, int64_t cols, float c, doub
     xy = z[y];
     if constexpr (HAS_BIAS) xy += static_cast<float>(b[y]);
   }
-  const float lc = static_cast<float>(static_cast<double>(lse) * kLog2e);
-  const double delta = static_cast<double>(lc) - static_cast<double>(lse) * static_cast<double>(kLog2e);
-  const double scale = std::exp2(delta);
-  const Vec vc(c), vlc(-lc), lo(kT2Min), ln2(static_cast<float>(kLn2d));
-  const Vec c_lp(static_cast<float>(-g_lp * inv_t * scale));  // coefficient of 2^t
-  const Vec c_h(static_cast<float>(-g_h * inv_t * scale));    // coefficient of 2^t (log p + H)
-  const Vec vh(static_cast<float>(h + delta * kLn2d));        // log p + H = t ln2 + (H + delta ln2)
-  auto grad_of = [&](const Vec& xv) {
-    const Vec t = at::vec::clamp_min(at::vec::fmadd(xv, vc, vlc), lo);
-    const Vec e = exp2_clamped(t);
-    Vec out = e * c_lp;
-    if (ENTROPY) out = at::vec::fmadd(e * c_h, at::vec::fmadd(t, ln2, vh), out);
-    return out;
-  };
+  const SoftmaxRowGrad<ENTROPY> grad_of(c, inv_t, lse, g_lp, g_h, h);
   int64_t k = 0;
   for (; k + 2 * kW <= cols; k += 2 * kW) {
     const Vec a = grad_of(load_x<B, HAS_BIAS>(z, b, k));
@@ -307,13 +294,7 @@ void backward_row(const float* z, const B* b, TO* g, int64_t cols, float c, doub
     store_pair<TO>(gbuf, grad_of(Vec::loadu(xbuf)), grad_of(Vec::loadu(xbuf + kW)));
     std::memcpy(static_cast<void*>(g + k), gbuf, n * sizeof(TO));
   }
-  if (owned) {  // the target's one-hot term, recomputed in double for that entry
-    const double lp = static_cast<double>(xy) * inv_t - lse;
-    const double p = std::exp(lp);
-    double gy = g_lp * (1.0 - p) * inv_t;
-    if (ENTROPY && p > 0) gy -= g_h * p * (lp + h) * inv_t;
-    g[y] = static_cast<TO>(static_cast<float>(gy));
-  }
+  if (owned) g[y] = static_cast<TO>(target_grad(xy, inv_t, lse, g_lp, g_h, h, ENTROPY));
 }
 
 template <typename TO>

@@ -265,20 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_forward(const at::
 template <typename T, bool ENTROPY>
 void backward_row(const T* x, T* g, int64_t v, float inv_t, int64_t y, float lse, float g_lp, float g_h, float h) {
   const float c = static_cast<float>(kLog2e * static_cast<double>(inv_t));
-  const float lc = static_cast<float>(static_cast<double>(lse) * kLog2e);
-  const double delta = static_cast<double>(lc) - static_cast<double>(lse) * static_cast<double>(kLog2e);
-  const double scale = std::exp2(delta);
-  const Vec vc(c), vlc(-lc), lo(kT2Min), ln2(static_cast<float>(kLn2d));
-  const Vec c_lp(static_cast<float>(-g_lp * inv_t * scale));  // coefficient of 2^t
-  const Vec c_h(static_cast<float>(-g_h * inv_t * scale));    // coefficient of 2^t (log p + H)
-  const Vec vh(static_cast<float>(h + delta * kLn2d));        // log p + H = t ln2 + (H + delta ln2)
-  auto grad_of = [&](const Vec& xv) {
-    const Vec t = at::vec::clamp_min(at::vec::fmadd(xv, vc, vlc), lo);
-    const Vec e = exp2_clamped(t);
-    Vec out = e * c_lp;
-    if (ENTROPY) out = at::vec::fmadd(e * c_h, at::vec::fmadd(t, ln2, vh), out);
-    return out;
-  };
+  const SoftmaxRowGrad<ENTROPY> grad_of(c, inv_t, lse, g_lp, g_h, h);
   int64_t k = 0;
   for (; k + 2 * kW <= v; k += 2 * kW) {
     store_pair<T>(g + k, grad_of(load_f32(x + k)), grad_of(load_f32(x + k + kW)));
@@ -291,12 +278,7 @@ void backward_row(const T* x, T* g, int64_t v, float inv_t, int64_t y, float lse
     store_pair<T>(gbuf, grad_of(Vec::loadu(xbuf)), grad_of(Vec::loadu(xbuf + kW)));
     std::memcpy(static_cast<void*>(g + k), gbuf, n * sizeof(T));
   }
-  // the target's one-hot term, recomputed in double for that entry
-  const double lp = static_cast<double>(x[y]) * inv_t - lse;
-  const double p = std::exp(lp);
-  double gy = g_lp * (1.0 - p) * inv_t;
-  if (ENTROPY && p > 0) gy -= g_h * p * (lp + h) * inv_t;
-  g[y] = static_cast<T>(static_cast<float>(gy));
+  g[y] = static_cast<T>(target_grad(static_cast<double>(x[y]), inv_t, lse, g_lp, g_h, h, ENTROPY));
 }
 
 template <typename T>

@@ -10,6 +10,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -86,6 +87,43 @@ inline Vec exp2_clamped(const Vec& t) {
   // exp_u20 maps NaN to a finite value; (t - t) is 0 for finite t and NaN for NaN / +inf, restoring propagation
   return (t * Vec(static_cast<float>(kLn2d))).exp_u20() + (t - t);
 #endif
+}
+
+// d(g_lp logp + g_h H)/dx for one row of raw logits x (bias included, before the 1/T), vector by vector:
+//   g_k = -(g_lp p_k + g_h p_k (log p_k + H)) / T,   p_k = exp(x_k / T - lse),
+// plus the target's one-hot term g_lp / T, which `target_grad` adds for that entry. p is
+// evaluated as 2^t 2^delta with t = x c - lc (one FMA), c = fl(log2(e) / T), lc = fl(lse log2(e)),
+// and delta = lc - lse log2(e), the rounding of lc, folded into the scalar coefficients.
+template <bool ENTROPY>
+struct SoftmaxRowGrad {
+  Vec vc, vlc, c_lp, c_h, vh;
+
+  SoftmaxRowGrad(float c, double inv_t, float lse, float g_lp, float g_h, float h) : vc(c) {
+    const float lc = static_cast<float>(static_cast<double>(lse) * kLog2e);
+    const double delta = static_cast<double>(lc) - static_cast<double>(lse) * static_cast<double>(kLog2e);
+    const double scale = std::exp2(delta);
+    vlc = Vec(-lc);
+    c_lp = Vec(static_cast<float>(-g_lp * inv_t * scale));  // coefficient of 2^t
+    c_h = Vec(static_cast<float>(-g_h * inv_t * scale));    // coefficient of 2^t (log p + H)
+    vh = Vec(static_cast<float>(h + delta * kLn2d));        // log p + H = t ln2 + (H + delta ln2)
+  }
+
+  Vec operator()(const Vec& x) const {
+    const Vec t = at::vec::clamp_min(at::vec::fmadd(x, vc, vlc), Vec(kT2Min));
+    const Vec e = exp2_clamped(t);
+    Vec out = e * c_lp;
+    if constexpr (ENTROPY) out = at::vec::fmadd(e * c_h, at::vec::fmadd(t, Vec(static_cast<float>(kLn2d)), vh), out);
+    return out;
+  }
+};
+
+// The target entry's whole gradient, recomputed in double from its raw logit x_y.
+inline float target_grad(double x_y, double inv_t, double lse, double g_lp, double g_h, double h, bool entropy) {
+  const double lp = x_y * inv_t - lse;
+  const double p = std::exp(lp);
+  double gy = g_lp * (1.0 - p) * inv_t;
+  if (entropy && p > 0) gy -= g_h * p * (lp + h) * inv_t;
+  return static_cast<float>(gy);
 }
 
 // Reduce the lanes of v with op, left to right (sums in double; a NaN lane may be dropped by max/min,

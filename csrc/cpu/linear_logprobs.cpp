@@ -131,60 +131,6 @@ inline void tail_x(const float* z, const B* b, int64_t k, int64_t n, int64_t pad
 
 // ---------------------------------------------------------------- forward
 
-// The tile row's statistics: m is the max of the biased logits x; s and w are per-lane
-// sums of e = 2^t and e t with t = x c - mc, c = fl(log2(e) / T), mc = fl(m_ref c),
-// m_ref = (m == -inf ? 0 : m).
-struct RowAcc {
-  float m = kNegInf;
-  Vec s = Vec(0.f);
-  Vec w = Vec(0.f);
-};
-
-template <typename B, bool HAS_BIAS, bool ENTROPY>
-inline void forward_chunk(const float* zc, const B* bc, int64_t n, float c, RowAcc& acc) {
-  // n is a multiple of kW (the row's tail arrives here through a padded buffer)
-  Vec vmax0(kNegInf), vmax1(kNegInf);
-  int64_t i = 0;
-  for (; i + 2 * kW <= n; i += 2 * kW) {
-    vmax0 = plain_max(vmax0, load_x<B, HAS_BIAS>(zc, bc, i));
-    vmax1 = plain_max(vmax1, load_x<B, HAS_BIAS>(zc, bc, i + kW));
-  }
-  for (; i < n; i += kW) vmax0 = plain_max(vmax0, load_x<B, HAS_BIAS>(zc, bc, i));
-  const float cm = lane_max(plain_max(vmax0, vmax1));
-  if (cm > acc.m) {
-    if (acc.m != kNegInf) {  // before the first finite max every sum is exactly 0
-      const float dt = acc.m * c - cm * c;  // shift of t, <= 0
-      const float a = std::exp2(dt);
-      if (ENTROPY) acc.w = (acc.w + acc.s * Vec(dt)) * Vec(a);
-      acc.s = acc.s * Vec(a);
-    }
-    acc.m = cm;
-  }
-  const Vec vc(c), vmc(-((acc.m == kNegInf ? 0.f : acc.m) * c)), lo(kT2Min);
-  Vec s0(0.f), s1(0.f), w0(0.f), w1(0.f);
-  int64_t j = 0;
-  for (; j + 2 * kW <= n; j += 2 * kW) {
-    const Vec t0 = at::vec::clamp_min(at::vec::fmadd(load_x<B, HAS_BIAS>(zc, bc, j), vc, vmc), lo);
-    const Vec t1 = at::vec::clamp_min(at::vec::fmadd(load_x<B, HAS_BIAS>(zc, bc, j + kW), vc, vmc), lo);
-    const Vec e0 = exp2_clamped(t0);
-    const Vec e1 = exp2_clamped(t1);
-    s0 = s0 + e0;
-    s1 = s1 + e1;
-    if (ENTROPY) {
-      w0 = at::vec::fmadd(e0, t0, w0);
-      w1 = at::vec::fmadd(e1, t1, w1);
-    }
-  }
-  for (; j < n; j += kW) {
-    const Vec t0 = at::vec::clamp_min(at::vec::fmadd(load_x<B, HAS_BIAS>(zc, bc, j), vc, vmc), lo);
-    const Vec e0 = exp2_clamped(t0);
-    s0 = s0 + e0;
-    if (ENTROPY) w0 = at::vec::fmadd(e0, t0, w0);
-  }
-  acc.s = acc.s + (s0 + s1);
-  if (ENTROPY) acc.w = acc.w + (w0 + w1);
-}
-
 // Fold the tile row's accumulator into the row's running (m, s, w) (natural-log units, see the top).
 template <bool ENTROPY>
 inline void merge_row(const RowAcc& acc, float c, float& m, float& s, float& w) {
@@ -213,14 +159,14 @@ void forward_row(const float* z, const B* b, int64_t cols, float c, float& m, fl
   RowAcc acc;
   const int64_t full = cols / kChunk * kChunk;
   for (int64_t c0 = 0; c0 < full; c0 += kChunk) {
-    forward_chunk<B, HAS_BIAS, ENTROPY>(z + c0, HAS_BIAS ? b + c0 : b, kChunk, c, acc);
+    online_chunk<ENTROPY>([z, b, c0](int64_t i) { return load_x<B, HAS_BIAS>(z, b, c0 + i); }, kChunk, c, acc);
   }
   if (full < cols) {  // the tail: biased fp32 copy padded with -inf to whole vectors
     alignas(64) float buf[kChunk];
     const int64_t n = cols - full;
     const int64_t nv = (n + kW - 1) / kW * kW;
     tail_x<B, HAS_BIAS>(z, b, full, n, nv, buf);
-    forward_chunk<float, false, ENTROPY>(buf, nullptr, nv, c, acc);
+    online_chunk<ENTROPY>([&buf](int64_t i) { return Vec::loadu(buf + i); }, nv, c, acc);
   }
   merge_row<ENTROPY>(acc, c, m, s, w);
 }

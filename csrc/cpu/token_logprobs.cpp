@@ -122,73 +122,19 @@ struct RowStats {
   float lse, logp, ent;
 };
 
-// Running state of one row: m is the max of the raw logits seen so far; s and w
-// are per-lane sums of e = 2^t and e * t with t = x * c - mc, c = log2(e) / T,
-// mc = fl(m_ref * c), m_ref = (m == -inf ? 0 : m).
-struct RowAcc {
-  float m = kNegInf;
-  Vec s = Vec(0.f);
-  Vec w = Vec(0.f);
-};
-
-template <typename T, bool ENTROPY>
-inline void forward_chunk(const T* xc, int64_t n, float c, RowAcc& acc) {
-  // n is a multiple of kW (the row's tail arrives here through a padded buffer)
-  Vec vmax0(kNegInf), vmax1(kNegInf);
-  int64_t i = 0;
-  for (; i + 2 * kW <= n; i += 2 * kW) {
-    vmax0 = plain_max(vmax0, load_f32(xc + i));
-    vmax1 = plain_max(vmax1, load_f32(xc + i + kW));
-  }
-  for (; i < n; i += kW) vmax0 = plain_max(vmax0, load_f32(xc + i));
-  const float cm = lane_max(plain_max(vmax0, vmax1));
-  if (cm > acc.m) {
-    if (acc.m != kNegInf) {  // before the first finite max every sum is exactly 0
-      const float dt = acc.m * c - cm * c;  // shift of t, <= 0
-      const float a = std::exp2(dt);
-      if (ENTROPY) acc.w = (acc.w + acc.s * Vec(dt)) * Vec(a);
-      acc.s = acc.s * Vec(a);
-    }
-    acc.m = cm;
-  }
-  const Vec vc(c), vmc(-((acc.m == kNegInf ? 0.f : acc.m) * c)), lo(kT2Min);
-  Vec s0(0.f), s1(0.f), w0(0.f), w1(0.f);
-  int64_t j = 0;
-  for (; j + 2 * kW <= n; j += 2 * kW) {
-    const Vec t0 = at::vec::clamp_min(at::vec::fmadd(load_f32(xc + j), vc, vmc), lo);
-    const Vec t1 = at::vec::clamp_min(at::vec::fmadd(load_f32(xc + j + kW), vc, vmc), lo);
-    const Vec e0 = exp2_clamped(t0);
-    const Vec e1 = exp2_clamped(t1);
-    s0 = s0 + e0;
-    s1 = s1 + e1;
-    if (ENTROPY) {
-      w0 = at::vec::fmadd(e0, t0, w0);
-      w1 = at::vec::fmadd(e1, t1, w1);
-    }
-  }
-  for (; j < n; j += kW) {
-    const Vec t0 = at::vec::clamp_min(at::vec::fmadd(load_f32(xc + j), vc, vmc), lo);
-    const Vec e0 = exp2_clamped(t0);
-    s0 = s0 + e0;
-    if (ENTROPY) w0 = at::vec::fmadd(e0, t0, w0);
-  }
-  acc.s = acc.s + (s0 + s1);
-  if (ENTROPY) acc.w = acc.w + (w0 + w1);
-}
-
 template <typename T, bool ENTROPY>
 RowStats forward_row(const T* x, int64_t v, float inv_t, int64_t tgt) {
   const float c = static_cast<float>(kLog2e * static_cast<double>(inv_t));
   RowAcc acc;
   const int64_t full = v / kChunk * kChunk;
-  for (int64_t c0 = 0; c0 < full; c0 += kChunk) forward_chunk<T, ENTROPY>(x + c0, kChunk, c, acc);
+  for (int64_t c0 = 0; c0 < full; c0 += kChunk) online_chunk<ENTROPY>([x, c0](int64_t i) { return load_f32(x + c0 + i); }, kChunk, c, acc);
   if (full < v) {  // the tail: fp32 copy padded with -inf to whole vectors
     alignas(64) float buf[kChunk];
     const int64_t n = v - full;
     const int64_t nv = (n + kW - 1) / kW * kW;
     for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<float>(x[full + k]);
     for (int64_t k = n; k < nv; ++k) buf[k] = kNegInf;
-    forward_chunk<float, ENTROPY>(buf, nv, c, acc);
+    online_chunk<ENTROPY>([&buf](int64_t i) { return Vec::loadu(buf + i); }, nv, c, acc);
   }
   const double m_ref = acc.m == kNegInf ? 0.0 : acc.m;
   // t was computed against mc = fl(m_ref * c) instead of m_ref * log2(e) / T:

@@ -1,9 +1,11 @@
-// Vector helpers shared by the native CPU kernels (csrc/cpu/*.cpp): ATen's
+// Vector helpers shared by the native CPU kernels (csrc/cpu/*.cpp), on ATen's
 // Vectorized<float> for the CPU capability the library is built for (see
-// flashrl_kernels/_native.py), loads/stores converting bf16/fp16 <-> fp32,
-// lane reductions, and a fast 2^t (exp2_clamped; accuracy notes in
-// token_logprobs.cpp). Everything is inline: each .cpp is its own translation
-// unit, all linked into one library.
+// flashrl_kernels/_native.py): bf16/fp16 <-> fp32 loads and stores, lane
+// reductions, a fast 2^t (exp2_clamped) and e^x (exp_vec), and the two pieces of
+// softmax math that token_logprobs and the linear epilogues share: the online
+// (max, sum 2^t, sum 2^t t) statistics of a row chunk and the per-row gradient.
+// Everything is inline: each .cpp is its own translation unit, all linked into
+// one library.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -41,6 +43,20 @@ inline void store_pair<float>(float* dst, const Vec& a, const Vec& b) {
   a.store(dst);
   b.store(dst + kW);
 }
+
+// Reduce the lanes of v with op, left to right (sums in double; a NaN lane may be dropped by max/min,
+// NaN rows are caught by the sums)
+template <typename T, typename Op>
+inline T lane_reduce(const Vec& v, T init, Op op) {
+  alignas(64) float buf[kW];
+  v.store(buf);
+  T acc = init;
+  for (int64_t i = 0; i < kW; ++i) acc = op(acc, static_cast<T>(buf[i]));
+  return acc;
+}
+inline double lane_sum(const Vec& v) { return lane_reduce(v, 0.0, [](double a, double b) { return a + b; }); }
+inline float lane_max(const Vec& v) { return lane_reduce(v, kNegInf, [](float a, float b) { return std::max(a, b); }); }
+inline float lane_min(const Vec& v) { return lane_reduce(v, -kNegInf, [](float a, float b) { return std::min(a, b); }); }
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr double kLn2d = 0.69314718055994531;
@@ -126,23 +142,65 @@ inline float target_grad(double x_y, double inv_t, double lse, double g_lp, doub
   return static_cast<float>(gy);
 }
 
-// Reduce the lanes of v with op, left to right (sums in double; a NaN lane may be dropped by max/min,
-// NaN rows are caught by the sums)
-template <typename T, typename Op>
-inline T lane_reduce(const Vec& v, T init, Op op) {
-  alignas(64) float buf[kW];
-  v.store(buf);
-  T acc = init;
-  for (int64_t i = 0; i < kW; ++i) acc = op(acc, static_cast<T>(buf[i]));
-  return acc;
+// Online softmax statistics of one row, one L1-sized chunk at a time. m is the max of the
+// (raw or biased) logits x seen so far; s and w are per-lane sums of e = 2^t and e * t with
+// t = x * c - mc, c = fl(log2(e) / T), mc = fl(m_ref * c), m_ref = (m == -inf ? 0 : m).
+struct RowAcc {
+  float m = kNegInf;
+  Vec s = Vec(0.f);
+  Vec w = Vec(0.f);
+};
+
+// Fold n values (a multiple of kW; load(i) returns the fp32 vector at offset i) into acc:
+// the chunk max, one rescale of the sums when it grew, then sum 2^t (and 2^t t).
+template <bool ENTROPY, typename Load>
+inline void online_chunk(const Load& load, int64_t n, float c, RowAcc& acc) {
+  // n is a multiple of kW (the row's tail arrives here through a padded buffer)
+  Vec vmax0(kNegInf), vmax1(kNegInf);
+  int64_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    vmax0 = plain_max(vmax0, load(i));
+    vmax1 = plain_max(vmax1, load(i + kW));
+  }
+  for (; i < n; i += kW) vmax0 = plain_max(vmax0, load(i));
+  const float cm = lane_max(plain_max(vmax0, vmax1));
+  if (cm > acc.m) {
+    if (acc.m != kNegInf) {  // before the first finite max every sum is exactly 0
+      const float dt = acc.m * c - cm * c;  // shift of t, <= 0
+      const float a = std::exp2(dt);
+      if (ENTROPY) acc.w = (acc.w + acc.s * Vec(dt)) * Vec(a);
+      acc.s = acc.s * Vec(a);
+    }
+    acc.m = cm;
+  }
+  const Vec vc(c), vmc(-((acc.m == kNegInf ? 0.f : acc.m) * c)), lo(kT2Min);
+  Vec s0(0.f), s1(0.f), w0(0.f), w1(0.f);
+  int64_t j = 0;
+  for (; j + 2 * kW <= n; j += 2 * kW) {
+    const Vec t0 = at::vec::clamp_min(at::vec::fmadd(load(j), vc, vmc), lo);
+    const Vec t1 = at::vec::clamp_min(at::vec::fmadd(load(j + kW), vc, vmc), lo);
+    const Vec e0 = exp2_clamped(t0);
+    const Vec e1 = exp2_clamped(t1);
+    s0 = s0 + e0;
+    s1 = s1 + e1;
+    if (ENTROPY) {
+      w0 = at::vec::fmadd(e0, t0, w0);
+      w1 = at::vec::fmadd(e1, t1, w1);
+    }
+  }
+  for (; j < n; j += kW) {
+    const Vec t0 = at::vec::clamp_min(at::vec::fmadd(load(j), vc, vmc), lo);
+    const Vec e0 = exp2_clamped(t0);
+    s0 = s0 + e0;
+    if (ENTROPY) w0 = at::vec::fmadd(e0, t0, w0);
+  }
+  acc.s = acc.s + (s0 + s1);
+  if (ENTROPY) acc.w = acc.w + (w0 + w1);
 }
-inline double lane_sum(const Vec& v) { return lane_reduce(v, 0.0, [](double a, double b) { return a + b; }); }
-inline float lane_max(const Vec& v) { return lane_reduce(v, kNegInf, [](float a, float b) { return std::max(a, b); }); }
-inline float lane_min(const Vec& v) { return lane_reduce(v, -kNegInf, [](float a, float b) { return std::min(a, b); }); }
 
 // e^x for general x, inlined: no call in a hot loop, so its vector accumulators stay in registers
-// (a call to Sleef's exp spills all of them; policy_loss.cpp measured 2.4 -> 1.8 ms at 1M tokens). Cody-Waite reduction
-// x = n ln2 + r, |r| <= ln2 / 2, and the degree-5 polynomial of ATen's exp_u20 for e^r:
+// (a call to Sleef's exp spills all of them; policy_loss measured 2.4 -> 1.8 ms at 1M tokens).
+// Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and the degree-5 polynomial of ATen's exp_u20 for e^r:
 // max relative error about 2e-7. Overflow gives +inf (AVX2: already from x > 88.4), underflow
 // 0 (AVX-512) or a value below 1.2e-38 (AVX2), NaN stays NaN. Other CPUs: ATen's exp.
 inline Vec exp_vec(const Vec& x) {

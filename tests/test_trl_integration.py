@@ -273,10 +273,16 @@ def test_short_training_run_matches_unpatched(tiny, tmp_path, monkeypatch):
         assert math.isfinite(b["loss"]) and b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
         for k in ("kl", "entropy", "clip_ratio/region_mean", "completions/mean_length"):
             assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-6), k
-    moved = max((w0[n] - make_initial(tiny)[n]).abs().max().item() for n in w0)
-    assert moved > 1e-4  # the run trained
+    init = make_initial(tiny)
+    moved = {n: (w0[n] - init[n]).abs().max().item() for n in w0}
+    assert max(moved.values()) > 1e-4  # the run trained
+    # AdamW at lr 1e-2 amplifies fp32 rounding differences of the gradients (~1e-6 relative; the
+    # patched run computes them with other kernels) where successive gradients nearly cancel: up to
+    # a few 1e-6 after 3 steps for both the torch and the native backend. A wrong gradient moves the
+    # weights by the order of the step itself, so compare against what each tensor moved.
     for n in w0:
-        assert torch.allclose(w0[n], w1[n], rtol=1e-4, atol=1e-6), n
+        diff = (w0[n] - w1[n]).abs().max().item()
+        assert diff <= 1e-3 * moved[n] + 1e-7, (n, diff, moved[n])
 
 
 def make_initial(tiny):

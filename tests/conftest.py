@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 from flashrl_kernels import _backend
 
 if os.environ.get("FLASHRL_BACKEND", "").strip().lower() == "native" and not _backend.native_built():
-    # CI runs the op tests a second time under FLASHRL_BACKEND=native: a native build that broke
+    # CI runs the suite a second time under FLASHRL_BACKEND=native: a native build that broke
     # must fail that run, not quietly drop "native" from the parametrised backends
     from flashrl_kernels import _native
 

@@ -9,7 +9,9 @@ selection they run on the torch backend (see _backend.implementation).
 
 Native ops: token_logprobs (csrc/cpu/token_logprobs.cpp), policy_loss
 (csrc/cpu/policy_loss.cpp) and linear_token_logprobs (csrc/cpu/linear_logprobs.cpp:
-torch_impl's tile loops and ATen GEMMs with native per-tile epilogues). A new
+torch_impl's tile loops and ATen GEMMs with native per-tile epilogues), and the
+rollout side's quantize_rows (csrc/cpu/quantize.cpp; the dequantize and scaled
+linear are ATen's, shared with torch_impl). A new
 one is a wrapper module here plus one import line, and its kernels as
 csrc/cpu/<op>.cpp with their own
 TORCH_LIBRARY_FRAGMENT(flashrl_native, m) / TORCH_LIBRARY_IMPL(flashrl_native, CPU, m)
@@ -24,12 +26,16 @@ if not _native.load():
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 from .policy_loss import policy_loss_backward, policy_loss_forward
+from .quantize import dequantize_rows_forward, quantize_rows_forward, scaled_linear_forward
 
 __all__ = [
+    "dequantize_rows_forward",
     "linear_logprobs_backward",
     "linear_logprobs_stats",
     "policy_loss_backward",
     "policy_loss_forward",
+    "quantize_rows_forward",
+    "scaled_linear_forward",
     "token_logprobs_backward",
     "token_logprobs_forward",
 ]

@@ -1,0 +1,180 @@
+// Native CPU per-row quantization to INT8 / FP8 (e4m3fn), written into the caller's storage.
+//
+// Semantics: flashrl_kernels/reference/quantize.py (the spec), bit for bit:
+//   amax = max_j |w_j|;  scale = 1 if amax <= 2^-100 else fp32(amax / QMAX);  NaN for a row
+//   holding NaN or +-inf;  y_j = fp32(w_j / scale) (an IEEE division, not a reciprocal multiply);
+//   int8: q_j = clamp(round_half_even(y_j), -128, 127), NaN -> 0;
+//   fp8:  q_j = e4m3fn(clamp(y_j, -448, 448)), round to nearest even;  zero rows: q = +0.
+// Two passes over each row (its max, then the quotients), rows spread over threads; a row
+// of a 4096-wide bf16 weight is 8 KiB, so the second pass reads from L1/L2.
+// The fp32 -> e4m3fn conversion is ATen's vectorised one on AVX-512 (the same algorithm as
+// c10's scalar conversion, which torch's .to() uses) and c10's scalar one elsewhere.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "vec_utils.h"
+
+namespace flashrl_native {
+namespace {
+
+constexpr float kZeroRowAmax = 0x1p-100f;  // reference ZERO_ROW_AMAX
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// (amax of |x| over the row, whether every value is finite)
+template <typename T>
+std::pair<float, bool> row_amax(const T* x, int64_t k) {
+  Vec vmax(0.f);
+  Vec vbad(0.f);  // any lane non-finite: x - x is NaN for NaN and +-inf, 0 otherwise
+  int64_t i = 0;
+  for (; i + kW <= k; i += kW) {
+    const Vec v = load_f32(x + i);
+    vmax = plain_max(vmax, v.abs());
+    vbad = vbad + (v - v);
+  }
+  float amax = lane_max(vmax);
+  bool finite = !std::isnan(lane_sum(vbad));
+  for (; i < k; ++i) {
+    const float v = static_cast<float>(x[i]);
+    finite = finite && std::isfinite(v);
+    amax = std::max(amax, std::abs(v));
+  }
+  return {amax, finite};
+}
+
+inline int8_t int8_of(float y) {  // y already divided by the scale
+  const float r = std::nearbyint(y);  // the default rounding mode: half to even
+  if (std::isnan(r)) return 0;
+  return static_cast<int8_t>(std::min(127.f, std::max(-128.f, r)));
+}
+
+inline c10::Float8_e4m3fn fp8_of(float y) {
+  return c10::Float8_e4m3fn(std::isnan(y) ? y : std::min(448.f, std::max(-448.f, y)));
+}
+
+template <typename T>
+void quantize_row_int8(const T* x, int8_t* q, int64_t k, float scale) {
+  const Vec vs(scale), lo(-128.f), hi(127.f), zero(0.f);
+  [[maybe_unused]] alignas(64) float buf[kW];
+  int64_t i = 0;
+  for (; i + kW <= k; i += kW) {
+    Vec y = (load_f32(x + i) / vs).round();  // _mm*_round / roundscale to nearest even
+    y = Vec::blendv(at::vec::clamp(y, lo, hi), zero, y != y);
+    // y holds exact integers in [-128, 127]: narrow them to bytes
+#if defined(CPU_CAPABILITY_AVX512)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(y)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i i32 = _mm256_cvtps_epi32(y);
+    const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(i16, i16));
+#else
+    y.store(buf);
+    for (int64_t j = 0; j < kW; ++j) q[i + j] = static_cast<int8_t>(buf[j]);
+#endif
+  }
+  for (; i < k; ++i) q[i] = int8_of(static_cast<float>(x[i]) / scale);
+}
+
+template <typename T>
+void quantize_row_fp8(const T* x, c10::Float8_e4m3fn* q, int64_t k, float scale) {
+  const Vec vs(scale);
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const Vec lo(-448.f), hi(448.f);
+  for (; i + kW <= k; i += kW) {
+    const Vec y = load_f32(x + i) / vs;
+    // clamp keeping NaN (max/min return their second operand when the first is NaN)
+    const __m512 c = _mm512_min_ps(hi, _mm512_max_ps(lo, y));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), at::vec::cvtfp32_fp8e4m3(c));
+  }
+#else
+  alignas(64) float buf[kW];
+  for (; i + kW <= k; i += kW) {
+    (load_f32(x + i) / vs).store(buf);
+    for (int64_t j = 0; j < kW; ++j) q[i + j] = fp8_of(buf[j]);
+  }
+#endif
+  for (; i < k; ++i) q[i] = fp8_of(static_cast<float>(x[i]) / scale);
+}
+
+template <typename T, typename Q>
+void quantize_impl(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out, float qmax) {
+  const int64_t rows = w.size(0), k = w.size(1);
+  const int64_t ws = w.stride(0), qs = q_out.stride(0), ss = scale_out.stride(0);
+  const T* wp = w.const_data_ptr<T>();
+  Q* qp = q_out.data_ptr<Q>();
+  float* sp = scale_out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* x = wp + r * ws;
+      Q* q = qp + r * qs;
+      const auto [amax, finite] = row_amax(x, k);
+      if (finite && amax <= kZeroRowAmax) {
+        std::fill(q, q + k, Q(0));
+        sp[r * ss] = 1.f;
+        continue;
+      }
+      const float scale = finite ? amax / qmax : kNaN;  // fp32 division, correctly rounded
+      sp[r * ss] = scale;
+      if constexpr (std::is_same_v<Q, int8_t>) {
+        quantize_row_int8(x, q, k, scale);
+      } else {
+        quantize_row_fp8(x, q, k, scale);
+      }
+    }
+  });
+}
+
+template <typename T>
+void quantize_dispatch_q(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out) {
+  if (q_out.scalar_type() == at::kChar) {
+    quantize_impl<T, int8_t>(w, q_out, scale_out, 127.f);
+  } else {
+    quantize_impl<T, c10::Float8_e4m3fn>(w, q_out, scale_out, 448.f);
+  }
+}
+
+void quantize_rows(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out) {
+  constexpr const char* op = "quantize_rows";
+  TORCH_CHECK(w.dim() == 2 && q_out.dim() == 2 && w.sizes() == q_out.sizes(), op,
+              ": w and q_out must be [R, K] of the same shape, got ", w.sizes(), " and ", q_out.sizes());
+  TORCH_CHECK(scale_out.dim() == 1 && scale_out.size(0) == w.size(0) && scale_out.scalar_type() == at::kFloat, op,
+              ": scale_out must be float32 [R]");
+  TORCH_CHECK(w.device().is_cpu() && q_out.device().is_cpu() && scale_out.device().is_cpu(), op, ": CPU tensors only");
+  const auto wt = w.scalar_type(), qt = q_out.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
+              ": w must be float32, bfloat16 or float16, got ", wt);
+  TORCH_CHECK(qt == at::kChar || qt == at::kFloat8_e4m3fn, op, ": q_out must be int8 or float8_e4m3fn, got ", qt);
+  TORCH_CHECK((w.stride(1) == 1 || w.size(1) <= 1) && (q_out.stride(1) == 1 || q_out.size(1) <= 1), op,
+              ": rows must have unit stride");
+  if (w.numel() == 0) return;
+  switch (wt) {
+    case at::kFloat:
+      quantize_dispatch_q<float>(w, q_out, scale_out);
+      break;
+    case at::kBFloat16:
+      quantize_dispatch_q<c10::BFloat16>(w, q_out, scale_out);
+      break;
+    default:
+      quantize_dispatch_q<c10::Half>(w, q_out, scale_out);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flashrl_native, m) {
+  m.def("quantize_rows(Tensor w, Tensor(a!) q_out, Tensor(b!) scale_out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) { m.impl("quantize_rows", &quantize_rows); }
+
+}  // namespace flashrl_native

@@ -1,0 +1,80 @@
+"""The AVX2 and portable (DEFAULT) builds of the native library, against the float64 spec.
+
+This machine's torch may dispatch to AVX-512, so the other code paths of every native kernel
+(policy_loss, token_logprobs, quantize_rows) would otherwise never run here: each test builds the
+library for another ATEN_CPU_CAPABILITY into a fresh cache and checks it in a subprocess."""
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flashrl_kernels import _backend
+
+
+def _has_avx2():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx2" in f.read()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+_CAPABILITY_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    import flashrl_kernels as fk
+    from flashrl_kernels import _native
+    from flashrl_kernels.reference import token_logprobs_spec
+    from flashrl_kernels.reference.quantize import quantize_rows_spec
+    from _policy_loss_util import make_inputs, run, spec, assert_close_masked
+    st = _native.native_status(load=True)
+    assert st.loaded, st.reason
+    out = {{"capability": st.capability}}
+    torch.manual_seed(0)
+    inp = make_inputs(b=7, t=600)
+    for cfg in (fk.LossConfig(tis_mode="token_truncate", beta=0.04, entropy_coef=0.01),
+                fk.LossConfig(importance_sampling_level="sequence", tis_mode="sequence_truncate",
+                              loss_agg_mode="seq-mean-token-mean")):
+        loss, metrics, gl, ge = run(inp, cfg, "native")
+        e_loss, e_metrics, e_gl, e_ge = spec(inp, cfg)
+        torch.testing.assert_close(loss.double(), e_loss, atol=2e-5, rtol=2e-5)
+        assert_close_masked(gl, e_gl, inp["mask"], atol=2e-6)
+    logits = torch.randn(6, 3001) * 4
+    targets = torch.randint(0, 3001, (6,))
+    with fk.use_backend("native"):
+        lp, ent = fk.token_logprobs(logits, targets, return_entropy=True)
+    rlp, rent = token_logprobs_spec(logits.double(), targets, 1.0, None)
+    torch.testing.assert_close(lp.double(), rlp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent.double(), rent, atol=1e-5, rtol=0)
+    from test_native_quantize import _fp8_midpoints
+    ties8 = torch.cat([torch.tensor([127.0]), torch.arange(-127, 127) + 0.5])  # scale 1: every int8 tie
+    ties_fp8 = torch.cat([torch.tensor([448.0]), _fp8_midpoints()])  # scale 1: every e4m3fn tie
+    for qd, w in ((torch.int8, torch.randn(5, 1000).bfloat16()), (torch.float8_e4m3fn, torch.randn(5, 1000)),
+                  (torch.int8, ties8[None]), (torch.float8_e4m3fn, ties_fp8[None])):
+        with fk.use_backend("native"):
+            q, s = fk.quantize_rows(w, qd)
+        rq, rs = quantize_rows_spec(w, qd)
+        assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), qd
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_other_cpu_capability_builds_vs_spec(capability, tmp_path):
+    """The AVX2 and portable code paths (this machine may run AVX-512 by default) are built and checked too."""
+    if not _backend.native_built():
+        pytest.skip("native CPU kernels not built here")
+    if capability == "avx2" and (platform.machine() not in ("x86_64", "AMD64") or not _has_avx2()):
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "FLASHRL_CACHE_DIR": str(tmp_path)}
+    env.pop("FLASHRL_BACKEND", None)
+    script = _CAPABILITY_SCRIPT.format(tests=os.path.dirname(__file__))
+    r = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    reported = json.loads(r.stdout.strip().splitlines()[-1])["capability"]
+    assert reported == {"avx2": "AVX2", "default": "DEFAULT"}[capability]

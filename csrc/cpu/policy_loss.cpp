@@ -27,7 +27,6 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -142,8 +141,6 @@ void valid_tile(const bool* mask, int64_t off, int64_t len, float* dst) {
   for (int64_t i = len; i < padded; ++i) dst[i] = 0.f;
 }
 
-inline Vec bit_and(const Vec& a, const Vec& b) { return a & b; }
-inline Vec bit_or(const Vec& a, const Vec& b) { return a | b; }
 inline Vec ones_where(const Vec& m) { return m & Vec(1.f); }  // a compare mask as 1.0 / 0.0
 inline Vec select(const Vec& m, const Vec& yes, const Vec& no) { return Vec::blendv(no, yes, m); }
 
@@ -159,7 +156,7 @@ struct Config {
 // TIS weight of raw ratios rho (truncate: clamp; mask: zero outside), and the outside mask.
 inline Vec tis_weight(const Vec& rho, const Config& c, Vec* outside) {
   const Vec tmin(c.tis_min), tmax(c.tis_max);
-  *outside = bit_or(rho < tmin, rho > tmax);
+  *outside = (rho < tmin) | (rho > tmax);
   if (c.truncate()) return at::vec::minimum(at::vec::maximum(rho, tmin), tmax);
   return select(*outside, Vec(0.f), rho);
 }
@@ -255,9 +252,9 @@ void sequence_forward(const Inputs& in, const Config& c, const Outputs& out, int
       const Vec rc = select(pos, at::vec::minimum(r, hi), lower);
       Vec loss = (zero - a) * rc;
       Vec g = select(rc == r, (zero - a) * r, zero);
-      c_low += ones_where(bit_and(neg, r < lo));
-      c_high += ones_where(bit_and(pos, r > hi));
-      if (c.has_dual) c_dual += ones_where(bit_and(neg, r > dual_c));
+      c_low += ones_where(neg & (r < lo));
+      c_high += ones_where(pos & (r > hi));
+      if (c.has_dual) c_dual += ones_where(neg & (r > dual_c));
       if (has_roll) {
         const Vec x = select(valid, old - Vec::loadu(rollt + i), zero);
         const Vec rho = exp_vec(x);
@@ -270,7 +267,7 @@ void sequence_forward(const Inputs& in, const Config& c, const Outputs& out, int
           sum_w += w * v;
           max_w = at::vec::maximum(max_w, select(valid, w, neg_inf));
           min_w = at::vec::minimum(min_w, select(valid, w, pos_inf));
-          n_out += ones_where(bit_and(outside, valid));
+          n_out += ones_where(outside & valid);
         }
       }
       if (c.tis >= 3) {

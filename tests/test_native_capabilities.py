@@ -60,6 +60,16 @@ _CAPABILITY_SCRIPT = textwrap.dedent("""
             q, s = fk.quantize_rows(w, qd)
         rq, rs = quantize_rows_spec(w, qd)
         assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), qd
+    from flashrl_kernels.reference.quantize import scaled_linear_spec
+    for qd in (torch.int8, torch.float8_e4m3fn):  # the quantized linear's kernels of this build, called directly
+        for xd, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            w = torch.randn(7, 37)
+            q, s = fk.quantize_rows(w, qd)
+            x = torch.randn(6, 37).to(xd)
+            b = torch.randn(7)
+            y = torch.ops.flashrl_native.qlinear(x, q, s, b, False)
+            ref = scaled_linear_spec(x, q, s, b, False)
+            assert (y.double() - ref).abs().max() <= tol * ref.abs().max(), (qd, xd)
     print(json.dumps(out))
 """)
 

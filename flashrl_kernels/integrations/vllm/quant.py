@@ -18,10 +18,14 @@ load_row_parallel_weight on the parameter, which narrows the source and the
 destination exactly as vLLM's _ColumnvLLMParameter / RowvLLMParameter do,
 then quantizes instead of copying.
 
-Embeddings and the LM head stay in the model dtype (their quantization error
-would land directly on the logits), with a method that keeps reading
-`layer.weight` so in-place syncs of them are seen (vLLM's default CPU method
-repacks the LM head into a private copy).
+Embeddings and the LM head stay in the model dtype by default (their
+quantization error lands directly on the logits), with a method that keeps
+reading `layer.weight` so in-place syncs of them are seen (vLLM's default CPU
+method repacks the LM head into a private copy). With the option
+quantize_lm_head the LM head (vLLM's ParallelLMHead) gets the same int8/fp8
+rows + fp32 row scales as the linears and computes its logits with
+scaled_linear; when the model ties its embeddings, the input embedding shares
+that one quantized table and looks its rows up dequantized (no bf16 copy).
 
 Tensor parallelism: TP = 1 is implemented; see docs/quantized_rollout.md for
 the TP > 1 plan (per-row scales are shard-local for column-parallel layers;
@@ -40,8 +44,9 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
@@ -50,6 +55,59 @@ from vllm.model_executor.parameter import ModelWeightParameter
 import flashrl_kernels  # noqa: F401  (registers the torch.library ops)
 
 _ACT_QUANT = ("auto", "dynamic", "none")
+# every option hf_overrides={"quantization_config_dict_json": json.dumps({...})} accepts, with its values
+OPTIONS = {
+    "activation_quant": '"auto" (default), "dynamic" or "none"',
+    "quantize_lm_head": "false (default) or true",
+}
+
+
+def use_activation_quant(mode: str, weight: torch.Tensor) -> bool:
+    """Whether scaled_linear quantizes the activations per token (dynamic W8A8) under option `mode`.
+
+    The one place that decides it for every quantized layer (linears and the LM
+    head), from the layer's weight (its device and dtype). "auto" is W8A8 where
+    the W8A8 GEMM is the fast path: CUDA, and int8 weights on a CPU whose native
+    kernel has integer dot products (AVX-512 VNNI; measured in
+    docs/quantized_rollout.md, "Which activation mode"); weight-only elsewhere.
+    "dynamic" / "none" force it on / off. Static under torch.compile.
+    """
+    if mode != "auto":
+        return mode == "dynamic"
+    if weight.is_cuda:
+        return True
+    if weight.device.type != "cpu" or weight.dtype != torch.int8:
+        return False
+    from flashrl_kernels import _backend
+
+    if not _backend.native_built():
+        return False
+    from flashrl_kernels.native.quantize import w8a8_native
+
+    return w8a8_native(weight)
+
+
+def prepare_layer(layer: torch.nn.Module, mode: str) -> None:
+    """Fix a quantized layer's activation mode and, on the CPU, its direct kernel (after every load).
+
+    The direct kernel is the native C++ op itself (flashrl_kernels.ops.quantize.direct_scaled_linear),
+    which skips flashrl::scaled_linear's Python dispatch: ~40 us a call, ~4 ms a decode step of a
+    24-layer model. It reads layer.weight / layer.weight_scale at every call, so in-place syncs show.
+    """
+    from flashrl_kernels.ops.quantize import direct_scaled_linear
+
+    act = use_activation_quant(mode, layer.weight)
+    layer._flashrl_act_quant = act
+    layer._flashrl_direct = None if layer.weight.is_meta else direct_scaled_linear(layer.weight, act)
+
+
+def _scaled_linear(layer: torch.nn.Module, x: torch.Tensor, bias, mode: str) -> torch.Tensor:
+    if not hasattr(layer, "_flashrl_act_quant"):
+        prepare_layer(layer, mode)
+    k = x.shape[-1]
+    op = layer._flashrl_direct or torch.ops.flashrl.scaled_linear
+    y = op(x.reshape(-1, k), layer.weight, layer.weight_scale, bias, layer._flashrl_act_quant)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class FlashRLQuantizedWeight(ModelWeightParameter):
@@ -109,6 +167,29 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
         shard_rank = self.tp_rank if shard_id == "q" else self.tp_rank // num_heads
         self._write(shard_offset, loaded_weight.narrow(self.output_dim, shard_rank * shard_size, shard_size))
 
+    def load_vocab_weight(self, loaded_weight: torch.Tensor):
+        """An embedding / LM head table, as VocabParallelEmbedding.weight_loader lays it out.
+
+        Rows [0, n) get this rank's slice of the original vocabulary (n =
+        org_vocab_end_index - org_vocab_start_index), quantized; the padding rows
+        after them (vLLM pads the vocabulary to a multiple of 64) are written as
+        zero rows with scale 1, the spec's encoding of a zero row, exactly as
+        vLLM's loader fills them with zeros.
+        """
+        layer = self._layer()
+        if loaded_weight.dim() != 2 or loaded_weight.shape[0] != layer.org_vocab_size:
+            raise ValueError(
+                f"flashrl: a tensor of shape {tuple(loaded_weight.shape)} cannot be loaded into an embedding "
+                f"with a vocabulary of {layer.org_vocab_size} rows of width {self.data.shape[1]}"
+            )
+        start = layer.shard_indices.org_vocab_start_index
+        n = layer.shard_indices.org_vocab_end_index - start
+        self._write(0, loaded_weight.narrow(0, start, n))
+        pad = self.data.narrow(0, n, self.data.shape[0] - n)
+        if pad.numel() and not pad.is_meta:
+            pad.zero_()
+            self._layer().weight_scale.narrow(0, n, pad.shape[0]).fill_(1.0)
+
     def load_row_parallel_weight(self, loaded_weight: torch.Tensor):
         # TP = 1 only (enforced in create_weights): the full row is this rank's row
         if tuple(loaded_weight.shape) != tuple(self.data.shape):
@@ -119,8 +200,31 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
         self._write(0, loaded_weight)
 
 
+def _vocab_weight_loader(param: FlashRLQuantizedWeight, loaded_weight: torch.Tensor) -> None:
+    """The `weight_loader` of a quantized embedding / LM head weight (vLLM's loaders call it by name;
+    its first argument must be called `param` for vLLM's layerwise reload)."""
+    param.load_vocab_weight(loaded_weight)
+
+
+def _new_quantized_weight(layer: torch.nn.Module, rows: int, cols: int, dtype: torch.dtype, weight_loader):
+    """Register layer.weight [rows, cols] (int8/fp8, zeros) and layer.weight_scale [rows] (fp32, ones)."""
+    weight = FlashRLQuantizedWeight(
+        data=torch.zeros(rows, cols, dtype=torch.int8).to(dtype),
+        input_dim=1,
+        output_dim=0,
+        weight_loader=weight_loader,
+    )
+    weight._flashrl_layer = weakref.ref(layer)
+    layer.register_parameter("weight", weight)
+    # a buffer, not a parameter: it is written by the weight's loader, never loaded by name
+    scale = torch.ones(rows, dtype=torch.float32)
+    scale.weight_loader_numel = 0  # tells vLLM's layerwise reload that no loader fills it by name
+    layer.register_buffer("weight_scale", scale)
+    return weight
+
+
 class FlashRLLinearMethod(LinearMethodBase):
-    """Per-output-row INT8/FP8 weights; weight-only on CPU, dynamic W8A8 on a GPU by default."""
+    """Per-output-row INT8/FP8 weights; W8A8 or weight-only as use_activation_quant decides per device."""
 
     def __init__(self, config: FlashRLQuantConfig):
         self.config = config
@@ -142,30 +246,15 @@ class FlashRLLinearMethod(LinearMethodBase):
             )
         weight_loader = extra_weight_attrs.pop("weight_loader")
         rows = sum(output_partition_sizes)
-        weight = FlashRLQuantizedWeight(
-            data=torch.zeros(rows, input_size_per_partition, dtype=torch.int8).to(self.config.weight_dtype),
-            input_dim=1,
-            output_dim=0,
-            weight_loader=weight_loader,
-        )
-        weight._flashrl_layer = weakref.ref(layer)
-        layer.register_parameter("weight", weight)
-        # a buffer, not a parameter: it is written by the weight's loader, never loaded by name
-        scale = torch.ones(rows, dtype=torch.float32)
-        scale.weight_loader_numel = 0  # tells vLLM's layerwise reload that no loader fills it by name
-        layer.register_buffer("weight_scale", scale)
+        weight = _new_quantized_weight(layer, rows, input_size_per_partition, self.config.weight_dtype, weight_loader)
         for key, value in extra_weight_attrs.items():
             setattr(weight, key, value)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return  # weights are already in kernel format: [out, in] rows and fp32 scales
+        prepare_layer(layer, self.config.activation_quant)  # the weights are already in kernel format
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        act = self.config.activation_quant
-        act_quant = x.is_cuda if act == "auto" else act == "dynamic"
-        k = x.shape[-1]
-        y = torch.ops.flashrl.scaled_linear(x.reshape(-1, k), layer.weight, layer.weight_scale, bias, act_quant)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return _scaled_linear(layer, x, bias, self.config.activation_quant)
 
 
 class FlashRLEmbeddingMethod(UnquantizedEmbeddingMethod):
@@ -173,29 +262,127 @@ class FlashRLEmbeddingMethod(UnquantizedEmbeddingMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if layer.weight.device.type == "cpu":
-            return  # skip vLLM's CPU repacking: it would freeze a private copy of the weight
+            # skip vLLM's CPU repacking (it would freeze a private copy of the weight); on AVX-512 BF16 CPUs
+            # the head runs the native bf16 kernel on the stored rows (~2x torch's bf16 F.linear at decode)
+            from flashrl_kernels.ops.quantize import direct_bf16_linear
+
+            layer._flashrl_direct = None if layer.weight.is_meta else direct_bf16_linear(layer.weight)
+            return
         super().process_weights_after_loading(layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.weight.device.type == "cpu":
+            op = getattr(layer, "_flashrl_direct", None)
+            if op is not None and x.dtype == torch.bfloat16:
+                k = x.shape[-1]
+                return op(x.reshape(-1, k), layer.weight, bias).view(*x.shape[:-1], layer.weight.shape[0])
             return torch.nn.functional.linear(x, layer.weight, bias)
         return super().apply(layer, x, bias)
+
+
+class FlashRLQuantizedEmbeddingMethod(QuantizeMethodBase):
+    """INT8/FP8 LM head (option quantize_lm_head): per-row quantized vocabulary rows, logits by scaled_linear.
+
+    Not an UnquantizedEmbeddingMethod on purpose: vLLM code that would read
+    `lm_head.weight` as a plain float matrix (e.g. a head_dtype override)
+    checks for that class and refuses a quantized head instead of casting
+    int8 codes without their scales.
+
+    Tied embeddings: tie_weights (which vLLM models call as
+    lm_head.tie_weights(embed_tokens)) turns the input embedding into a user of
+    the same table: one int8/fp8 weight and one scale buffer, shared by both
+    modules; `embedding` gathers the rows of the looked-up ids and dequantizes
+    them (q * scale in fp32, rounded once to the model dtype). One copy, half
+    the bytes of the bf16 table, and a sync writes it once.
+    """
+
+    def __init__(self, config: FlashRLQuantConfig):
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        if getattr(layer, "tp_size", 1) != 1:
+            raise NotImplementedError(
+                f"{self.config.get_name()} with quantize_lm_head supports tensor_parallel_size=1 only for now"
+            )
+        rows = sum(output_partition_sizes)
+        weight = _new_quantized_weight(
+            layer, rows, input_size_per_partition, self.config.weight_dtype, _vocab_weight_loader
+        )
+        # elements a load writes from the checkpoint (padding rows excluded), for vLLM's layerwise reload
+        weight.weight_loader_numel = layer.num_org_embeddings_per_partition * input_size_per_partition
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        prepare_layer(layer, self.config.activation_quant)  # already in kernel format
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _scaled_linear(layer, x, bias, self.config.activation_quant)
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        q = layer.weight
+        ids = input_.reshape(-1)
+        # gather through an int8 view: a plain byte gather for int8 and fp8 alike
+        rows = q.view(torch.int8).index_select(0, ids).view(q.dtype)
+        out = torch.ops.flashrl.dequantize_rows(rows, layer.weight_scale.index_select(0, ids), layer.params_dtype)
+        return out.view(*input_.shape, q.shape[1])
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
+        """Share one quantized table between the LM head `layer` and the input embedding."""
+        if not isinstance(embed_tokens, VocabParallelEmbedding):
+            raise NotImplementedError(f"flashrl: cannot tie a quantized LM head to a {type(embed_tokens).__name__}")
+        if not isinstance(embed_tokens.quant_method, FlashRLQuantizedEmbeddingMethod):
+            # the embedding was built in the model dtype: rebuild its weight quantized, owned by it
+            # (its loader is the one vLLM calls for the checkpoint's embed_tokens tensor)
+            del embed_tokens.weight
+            if "weight_scale" in embed_tokens._buffers:
+                del embed_tokens.weight_scale
+            self.create_weights(
+                embed_tokens,
+                embed_tokens.embedding_dim,
+                [embed_tokens.num_embeddings_per_partition],
+                embed_tokens.embedding_dim,
+                embed_tokens.num_embeddings_padded,
+                params_dtype=embed_tokens.params_dtype,
+            )
+            embed_tokens.quant_method = self
+            embed_tokens.update_param_tp_status()
+        if tuple(embed_tokens.weight.shape) != tuple(layer.weight.shape):
+            raise ValueError(
+                f"flashrl: cannot tie an LM head of shape {tuple(layer.weight.shape)} to an embedding of shape "
+                f"{tuple(embed_tokens.weight.shape)}"
+            )
+        layer.weight = embed_tokens.weight
+        layer.weight_scale = embed_tokens.weight_scale
+        return layer
 
 
 class FlashRLQuantConfig(QuantizationConfig):
     """Options (hf_overrides={"quantization_config_dict_json": json.dumps({...})}):
     activation_quant: "auto" (dynamic per-token W8A8 on CUDA, weight-only elsewhere),
                       "dynamic" or "none".
+    quantize_lm_head: False (default: embeddings and LM head in the model dtype) or True
+                      (INT8/FP8 LM head; a tied input embedding shares its quantized table).
     """
 
     weight_dtype: torch.dtype = torch.int8
     method_name: str = ""
 
-    def __init__(self, activation_quant: str = "auto"):
+    def __init__(self, activation_quant: str = "auto", quantize_lm_head: bool = False):
         super().__init__()
         if activation_quant not in _ACT_QUANT:
             raise ValueError(f"activation_quant must be one of {_ACT_QUANT}, got {activation_quant!r}")
+        if not isinstance(quantize_lm_head, bool):
+            raise TypeError(f"quantize_lm_head must be true or false, got {quantize_lm_head!r}")
         self.activation_quant = activation_quant
+        self.quantize_lm_head = quantize_lm_head
 
     def get_name(self) -> str:
         return self.method_name
@@ -213,7 +400,16 @@ class FlashRLQuantConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> FlashRLQuantConfig:
-        return cls(activation_quant=config.get("activation_quant", "auto"))
+        if not isinstance(config, dict):
+            raise TypeError(f"{cls.method_name} options must be a JSON object, got {config!r}")
+        unknown = sorted(set(config) - set(OPTIONS))
+        if unknown:
+            valid = ", ".join(f"{k}: {v}" for k, v in OPTIONS.items())
+            raise ValueError(f"unknown {cls.method_name} option(s) {unknown}; valid options are {{{valid}}}")
+        return cls(
+            activation_quant=config.get("activation_quant", "auto"),
+            quantize_lm_head=config.get("quantize_lm_head", False),
+        )
 
     @classmethod
     def from_config_dict_json(cls, text: str) -> FlashRLQuantConfig:
@@ -222,6 +418,8 @@ class FlashRLQuantConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
             return FlashRLLinearMethod(self)
+        if isinstance(layer, ParallelLMHead) and self.quantize_lm_head:
+            return FlashRLQuantizedEmbeddingMethod(self)
         if isinstance(layer, VocabParallelEmbedding):
             return FlashRLEmbeddingMethod()
         return None

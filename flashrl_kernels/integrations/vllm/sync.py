@@ -4,13 +4,15 @@ Order of work, so that a failed sync leaves the engine serving the previous
 weights untouched:
   1. index the model's loadable names (vLLM names plus the checkpoint names
      its packed modules accept: q_proj/k_proj/v_proj -> qkv_proj, gate_proj/
-     up_proj -> gate_up_proj) with the exact shape each expects;
+     up_proj -> gate_up_proj; the second name of a tied embedding is mapped
+     to the first) with the exact shape each expects;
   2. check every tensor: a torch.Tensor, a floating dtype, a known name, the
      expected shape, no duplicates; then finiteness of all of them at once (one
      host sync; see nonfinite_tensors);
   3. only then model.load_weights(...), vLLM's own loading path, whose
-     parameter loaders (see quant.py) quantize linear weights into their
-     existing int8/fp8 storage and copy the rest (norms, biases, embeddings);
+     parameter loaders (see quant.py) quantize linear weights (and, with
+     quantize_lm_head, the LM head table) into their existing int8/fp8 storage
+     and copy the rest (norms, biases, model-dtype embeddings);
      an engine without flashrl quantization (bf16) goes through vLLM's
      reload_weights instead, which also redoes its post-load weight processing
      (that path may re-allocate: the in-place guarantee is the flashrl
@@ -34,10 +36,14 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 class _Target:
     shape: tuple[int, ...]  # shape the trainer tensor must have
     bytes: int  # bytes written into engine storage when it is loaded
+    alias_of: str | None = None  # a tied embedding's second name: the name vLLM loads it under
+
+
+_QUANT_METHODS = ("FlashRLLinearMethod", "FlashRLQuantizedEmbeddingMethod")
 
 
 def _is_quantized(module) -> bool:
-    return type(getattr(module, "quant_method", None)).__name__ == "FlashRLLinearMethod"
+    return type(getattr(module, "quant_method", None)).__name__ in _QUANT_METHODS
 
 
 def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
@@ -47,6 +53,7 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     index: dict[str, _Target] = {}
+    canonical: dict[int, str] = {}  # id(embedding parameter) -> first name, in vLLM's traversal order
     modules = dict(model.named_modules(remove_duplicate=False))
     for pname, param in model.named_parameters(remove_duplicate=False):
         mod_name, _, attr = pname.rpartition(".")
@@ -72,18 +79,30 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
         elif isinstance(module, VocabParallelEmbedding) and attr == "weight":
             if getattr(module, "tp_size", 1) != 1:
                 raise NotImplementedError("sync_weights supports tensor_parallel_size=1 only (see docs)")
-            rows = module.org_vocab_size
-            index[pname] = _Target((rows, shape[1]), rows * shape[1] * elt)
+            # the trainer sends the unpadded vocabulary; the loader writes every row of the padded
+            # table (padding rows as zeros), plus an fp32 scale per row when the table is quantized
+            row_bytes = shape[1] * elt + (4 if _is_quantized(module) else 0)
+            first = canonical.setdefault(id(param), pname)
+            # a tied alias (lm_head.weight of a model that ties it to embed_tokens.weight): vLLM's
+            # loader skips that name, so it writes nothing (see prepare)
+            index[pname] = _Target((module.org_vocab_size, shape[1]), 0 if first != pname else shape[0] * row_bytes,
+                                   alias_of=None if first == pname else first)
         else:
             index[pname] = _Target(shape, param.numel() * elt)
     return index
 
 
-def validate(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> int:
-    """Raise ValueError/TypeError naming the first bad tensor; return the bytes a load would write."""
+def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]):
+    """Validate every tensor (raise ValueError/TypeError naming the first bad one), then return
+    (bytes a load writes, the (name, tensor) list to hand to model.load_weights).
+
+    A tied embedding's second name (lm_head.weight when the model ties it to
+    model.embed_tokens.weight) is accepted: vLLM's loader would skip that name,
+    so it is loaded under the first name, unless the first name is sent too
+    (then it is dropped, as vLLM drops it).
+    """
     index = loadable_index(model)
     seen: set[str] = set()
-    total = 0
     for i, item in enumerate(tensors):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise TypeError(f"named_tensors[{i}] must be a (name, tensor) pair, got {type(item).__name__}")
@@ -102,12 +121,24 @@ def validate(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) ->
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice")
         seen.add(name)
-        total += target.bytes
     if tensors:
         bad = [tensors[i][0] for i in nonfinite_tensors([t for _, t in tensors])]
         if bad:
             raise ValueError(f"tensor {bad[0]!r} contains NaN or +-inf ({len(bad)} bad tensor(s): {bad[:5]})")
-    return total
+    load: list[tuple[str, torch.Tensor]] = []
+    for name, t in tensors:
+        alias_of = index[name].alias_of
+        if alias_of is not None:
+            if alias_of in seen:
+                continue
+            name = alias_of
+        load.append((name, t))
+    return sum(index[name].bytes for name, _ in load), load
+
+
+def validate(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """Raise ValueError/TypeError naming the first bad tensor; return the bytes a load would write."""
+    return prepare(model, tensors)[0]
 
 
 def _sum_dtype(t: torch.Tensor) -> torch.dtype:
@@ -132,15 +163,15 @@ def load_into_model(model: torch.nn.Module, named_tensors, vllm_config=None) -> 
     """Validate all, then write all into `model` (a vLLM model module, e.g. inside a worker)."""
     t0 = time.perf_counter()
     tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
-    nbytes = validate(model, tensors)
+    nbytes, load = prepare(model, tensors)
     with torch.no_grad():
         if vllm_config is not None:
             from vllm.config import set_current_vllm_config
 
             with set_current_vllm_config(vllm_config):
-                model.load_weights(iter(tensors))
+                model.load_weights(iter(load))
         else:
-            model.load_weights(iter(tensors))
+            model.load_weights(iter(load))
     if any(t.is_cuda for _, t in tensors) or next(model.parameters()).is_cuda:
         torch.cuda.synchronize()
     return SyncResult(nbytes, time.perf_counter() - t0, len(tensors))
@@ -154,8 +185,8 @@ def _worker_load(worker, tensors):
     # the linear layers, and those parameters lose their weight loaders), so model.load_weights cannot
     # write them again. Same validation, then vLLM's own reload path, which redoes that processing.
     t0 = time.perf_counter()
-    nbytes = validate(model, tensors)
-    worker.reload_weights(weights_iterator=iter(tensors))
+    nbytes, load = prepare(model, tensors)
+    worker.reload_weights(weights_iterator=iter(load))
     return SyncResult(nbytes, time.perf_counter() - t0, len(tensors))
 
 

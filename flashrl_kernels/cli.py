@@ -52,10 +52,17 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _standalone_module(name: str):
+    """The benchmark module `name` if it runs on its own (`STANDALONE = True`, e.g. rollout), else None."""
+    import importlib
+
+    mod = importlib.import_module(f"flashrl_kernels.benchmarks.{name}")
+    return mod if getattr(mod, "STANDALONE", False) else None
+
+
 def _cmd_bench(args) -> int:
     from flashrl_kernels.benchmarks import harness
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     modules = harness.op_modules()
     if args.op:
         unknown = sorted(set(args.op) - set(modules))
@@ -65,6 +72,21 @@ def _cmd_bench(args) -> int:
         modules = args.op
     else:
         modules = harness.op_modules(include_optional=False)
+    # standalone benchmarks (whole engines: --op rollout) have their own driver and never enter the harness
+    standalone = [(m, mod) for m in modules if (mod := _standalone_module(m)) is not None]
+    modules = [m for m in modules if m not in {name for name, _ in standalone}]
+    rc = 0
+    for name, mod in standalone:
+        sub_args = args
+        if args.json and (modules or len(standalone) > 1):  # one JSON file per driver: FILE -> FILE.<op>.json
+            import os
+
+            stem, ext = os.path.splitext(args.json)
+            sub_args = argparse.Namespace(**{**vars(args), "json": f"{stem}.{name}{ext or '.json'}"})
+        rc = max(rc, mod.main(sub_args))
+    if not modules:
+        return rc
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     copy_gbps = harness.copy_bandwidth_gbps(device)
     print(f"device {device}  measured copy bandwidth {copy_gbps:.1f} GB/s (read + write)", flush=True)
     results = harness.run(
@@ -79,7 +101,7 @@ def _cmd_bench(args) -> int:
                 date=datetime.datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,
             ))
         print(f"wrote {args.json}")
-    return 1 if any(r.error and r.impl.startswith("flashrl") for r in results) else 0
+    return max(rc, 1 if any(r.error and r.impl.startswith("flashrl") for r in results) else 0)
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
@@ -177,13 +199,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="time the ops against the paths trainers use today")
     bench.add_argument("--op", action="append",
-                       help="op to benchmark (repeatable); default: all ops (trl_grpo, a whole TRL step, only by name)")
+                       help="op to benchmark (repeatable); default: all ops (trl_grpo, a whole TRL step, and "
+                            "rollout, whole vLLM engines, only by name)")
     bench.add_argument("--quick", action="store_true", help="small sizes, fewer repeats (a smoke run)")
-    bench.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 5, quick 3)")
-    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    bench.add_argument("--repeats", type=int, default=None,
+                       help="timed repeats per case (default 5, quick 3; rollout: 3)")
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available; rollout: vLLM's)")
     bench.add_argument("--impl", default=None, help="only implementations whose name contains this (plus baselines)")
     bench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    ro = bench.add_argument_group("--op rollout (vLLM generate throughput of bf16 / flashrl_int8 / flashrl_fp8 "
+                                  "engines; see flashrl_kernels/benchmarks/rollout.py)")
+    ro.add_argument("--layers", type=int, default=None, metavar="N", help="decoder layers (default 24; quick 2)")
+    ro.add_argument("--hidden", type=int, default=None, metavar="H",
+                    help="hidden size (default 896 = Qwen2.5-0.5B; quick 128); heads of 64, 2 KV heads, "
+                         "intermediate ~5.43 H")
+    ro.add_argument("--engines", default=None, metavar="LIST",
+                    help="comma-separated, from bf16,flashrl_int8,flashrl_fp8 (default: all three)")
+    ro.add_argument("--cases", default=None, metavar="LIST",
+                    help="comma-separated, from decode8,decode32,prefill (default: all)")
+    ro.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="enforce_eager for the engines (default: eager; --no-eager: vLLM's compiled mode)")
+    ro.add_argument("--quant-options", default=None, metavar="JSON",
+                    help="options for the flashrl engines, passed as hf_overrides={'quantization_config_dict_json': "
+                         "JSON}, e.g. '{\"activation_quant\": \"dynamic\"}'")
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="a short GRPO run of the reference trainer: INT8 rollout + TIS (CPU, minutes)")

@@ -7,6 +7,7 @@ MARGIN. Measured on the dev machine with vLLM INT8, 60 steps (warm start ->
 after RL): seed 0 0.11 -> 0.59, seed 1 0.06 -> 0.42, seed 2 0.08 -> 0.30,
 seed 3 0.22 -> 0.52; smallest gain 0.22, so MARGIN = 0.15.
 """
+import json
 import os
 
 import pytest
@@ -51,7 +52,23 @@ def test_sync_runs_after_every_step(tmp_path):
     for _ in range(3):
         m = tr.rl_step()
         assert "time_sync" in m and m["loss"] == m["loss"]  # not NaN
+        assert m["rollout_tokens"] == round(m["response_length"] * 4 * 4) > 0 and m["time_rollout"] > 0
     assert calls == [0, 1, 2]  # once per step, after the update and before the step counter moves
+
+
+def test_summary_reports_rollout_tokens_per_s(tmp_path):
+    from flashrl_kernels.trainer.run import format_summary, train
+
+    summary = train(small_cfg(tmp_path, steps=2, eval_every=2), progress=False, say=lambda *a: None)
+    with open(summary["log"]) as f:
+        steps = [h for h in map(json.loads, f) if "time_rollout" in h]
+    assert len(steps) == 2
+    expected = sum(h["rollout_tokens"] for h in steps) / sum(h["time_rollout"] for h in steps)
+    assert summary["rollout_tokens_per_s"] == pytest.approx(expected) and expected > 0
+    table = format_summary(summary)
+    row = next(line for line in table.splitlines() if line.startswith("rollout tokens/s"))
+    assert float(row.split()[-1]) > 0
+    assert "wall time (s)" in table and "held-out accuracy, after RL" in table  # the other rows stay
 
 
 def test_resume_continues_bit_for_bit(tmp_path):

@@ -84,3 +84,20 @@ def test_unknown_option_and_yaml(tmp_path):
     f.write_text("- 1\n- 2\n")
     with pytest.raises(TypeError, match="mapping"):
         TrainConfig.from_yaml(str(f))
+
+
+def test_rollout_tokens_per_s_sums_over_the_run():
+    from flashrl_kernels.trainer.run import format_summary, rollout_tokens_per_s
+
+    steps = [{"rollout_tokens": 30, "time_rollout": 1.0}, {"rollout_tokens": 90, "time_rollout": 2.0},
+             {"step": 0, "eval_accuracy": 0.5}]
+    assert rollout_tokens_per_s(steps) == pytest.approx(40.0)  # 120 tokens / 3 s, not the mean of 30 and 45
+    assert rollout_tokens_per_s([]) is None
+    summary = {"accuracy_start": 0.1, "accuracy_end": 0.5, "response_length_end": 3.0, "mismatch_kl_median": 1e-3,
+               "tis_frac_clipped_median": 0.0, "time_rollout_s": 1.0, "time_logprob_s": 0.1, "time_update_s": 0.2,
+               "time_sync_s": 0.01, "rollout_tokens_per_s": 40.0, "wall_s": 5.0, "engine": "hf", "log": "l",
+               "figure": "f"}
+    lines = format_summary(summary).splitlines()
+    assert any(line.startswith("rollout tokens/s") and line.endswith("40.0") for line in lines)
+    assert len(lines) == 11
+    assert "rollout tokens/s" in format_summary({k: v for k, v in summary.items() if k != "rollout_tokens_per_s"})

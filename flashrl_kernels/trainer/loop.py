@@ -147,7 +147,8 @@ class Trainer:
             rewards = rewards + fk.overlong_penalty(lengths, self.max_new_tokens, cfg.overlong_cache)
         adv, keep = compute_advantages(cfg, rewards, lengths)
         m.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-                 response_length=float(lengths.mean()), kept_fraction=float(keep.float().mean()))
+                 response_length=float(lengths.mean()), kept_fraction=float(keep.float().mean()),
+                 rollout_tokens=int(lengths.sum()))  # generated completion tokens (EOS included) of this rollout
 
         ids, attn, targets, rollout_lp = build_batch(roll.prompt_ids, roll.completion_ids, roll.rollout_logprobs,
                                                      tok.pad_token_id)

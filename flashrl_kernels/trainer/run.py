@@ -60,6 +60,14 @@ def _median_of(steps: list[dict], key: str):
     return statistics.median(vals) if vals else None
 
 
+def rollout_tokens_per_s(steps: list[dict]):
+    """Generated completion tokens / rollout wall time, both summed over the steps that logged them."""
+    pairs = [(h["rollout_tokens"], h["time_rollout"]) for h in steps
+             if h.get("rollout_tokens") is not None and h.get("time_rollout")]
+    seconds = sum(t for _, t in pairs)
+    return sum(n for n, _ in pairs) / seconds if seconds > 0 else None
+
+
 def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, say=print) -> dict:
     """Run the job described by cfg; returns a summary dict (also written to <out_dir>/summary.json)."""
     from tqdm import tqdm
@@ -116,6 +124,7 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
         "time_logprob_s": _median_of(steps, "time_logprob"),
         "time_update_s": _median_of(steps, "time_update"),
         "time_sync_s": _median_of(steps, "time_sync"),
+        "rollout_tokens_per_s": rollout_tokens_per_s(steps),
         "wall_s": time.perf_counter() - t_start,
         "engine": engine_desc,
         "log": log_path,
@@ -139,6 +148,7 @@ def format_summary(s: dict) -> str:
         ("TIS truncated/masked fraction (median)", f(s["tis_frac_clipped_median"], ".3f")),
         ("time per step: rollout / logprob / update / sync (s, median)",
          " / ".join(f(s[k], ".3f") for k in ("time_rollout_s", "time_logprob_s", "time_update_s", "time_sync_s"))),
+        ("rollout tokens/s (completion tokens / rollout time, whole run)", f(s.get("rollout_tokens_per_s"), ".1f")),
         ("wall time (s)", f(s["wall_s"], ".0f")),
         ("rollout engine", s["engine"]),
         ("metrics log", s["log"]),

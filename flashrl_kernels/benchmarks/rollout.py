@@ -1,0 +1,437 @@
+"""Rollout throughput of whole vLLM engines: bf16 vs `flashrl_int8` vs `flashrl_fp8`.
+
+    flashrl-kernels bench --op rollout                       # Qwen2.5-0.5B shapes, all engines and cases
+    flashrl-kernels bench --op rollout --cases decode8 --repeats 1 --layers 6
+    flashrl-kernels bench --op rollout --quick               # 2 layers, hidden 128: a smoke run
+    flashrl-kernels bench --op rollout --quant-options '{"activation_quant": "dynamic"}' --json out.json
+
+A whole engine does not fit the per-op `Case` shape of benchmarks/harness.py, so this module is
+STANDALONE: `cases()` returns nothing, `IN_DEFAULT_RUN = False` keeps it out of a plain
+`flashrl-kernels bench`, and `flashrl-kernels bench --op rollout` calls `main(args)` instead of the harness.
+
+Model: a random Qwen2 with Qwen2.5-0.5B's shapes (vocab 151936, hidden 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, tied embeddings; bf16 safetensors, init std 0.02), written once by
+`flashrl_kernels.testing.build_tiny_qwen2` to $FLASHRL_BENCH_CACHE (default /tmp/flashrl_sync_bench, the folder
+bench/sync_bench.py uses; the 896-wide checkpoints are shared with it). `--layers N` keeps the layer shapes;
+`--hidden H` scales the layers: head_dim 64 (32 below hidden 256), H / head_dim heads, 2 KV heads, intermediate
+H * 4864 / 896 rounded to a multiple of 64. `--quick`: 2 layers, hidden 128 (4 heads of 32, 2 KV heads,
+intermediate 704), the full vocabulary.
+
+Engines: in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one at a time (built, all cases run, deleted, then
+the next), `vllm.LLM(path, quantization=None | "flashrl_int8" | "flashrl_fp8", dtype="bfloat16",
+enforce_eager=True, max_model_len=1024, max_num_seqs=32, kv_cache_memory_bytes=256 MiB (32 MiB quick),
+enable_prefix_caching=False, seed=0, logprobs_mode="processed_logprobs")`. `--no-eager` builds them with
+enforce_eager=False (vLLM's compiled mode: torch.compile, plus CUDA graphs on a GPU), which the plugin supports
+(its ops are torch.library custom ops with fake implementations; docs/quantized_rollout.md, "Compiled mode");
+it is not the default because on a CPU every engine start recompiles (tens of seconds per engine). `--quant-options JSON` goes to the quantized engines as
+`hf_overrides={"quantization_config_dict_json": JSON}` unchanged (the plugin rejects options it does not know).
+Prefix caching is off so that repeated runs of the same prompts really recompute them.
+
+Cases (prompts are random token ids below the vocabulary size, fixed seeds; every decode request has its own fixed
+sampling seed, so all engines sample from comparable sequences):
+  decode8    8 prompts of 16 tokens x 128 new tokens, temperature 1.0, ignore_eos   (quick: 16 new tokens)
+  decode32   32 prompts of 16 tokens x 128 new tokens, the same sampling             (quick: 16 new tokens)
+  prefill    8 prompts of 512 tokens, 1 new token                                  (quick: 8 x 64)
+--quick runs decode8 and prefill unless --cases names others.
+Per engine: one untimed warm-up generate per case (its prompts, 2 new tokens), then `--repeats`
+timed `generate` calls per case (default 3), each the whole batch submitted at once; the median wall time is
+reported. Decode tokens/s = generated tokens /
+median time; prefill tokens/s = prompt tokens processed / median time (the one generated token per prompt is
+not counted). "x vs bf16" = tokens/s / the bf16 engine's tokens/s for the same case.
+
+Accuracy (columns "KL est.", "mean|dlogp|", "max|dlogp|"): the completions the bf16 engine sampled in its first
+timed decode8 run (if decode8 is not among --cases, in one extra untimed decode8 run) are scored by every engine
+with teacher forcing: `generate(prompt + completion ids, SamplingParams(max_tokens=1, prompt_logprobs=0))`, and
+the engine's log-probability of each actual completion token is read from its prompt logprobs (these are
+log-softmax of the raw logits, i.e. temperature 1, the temperature the completions were sampled at). With
+d_t = logp_bf16(t) - logp_engine(t) over all completion tokens t of all 8 sequences:
+  KL est.      mean_t d_t        the k1 estimator of KL(bf16 || engine) on samples from bf16 (unbiased; a single
+                                 estimate can be slightly negative)
+  mean|dlogp|  mean_t |d_t|
+  max|dlogp|   max_t |d_t|
+logp_bf16 is the bf16 engine's own teacher-forced score of the same tokens, so the bf16 row is 0 by definition.
+Without the bf16 engine among --engines these columns are empty.
+
+The header line gives the CPU model and the ISA flags that matter for these kernels (avx2, avx512f,
+avx512_bf16, avx512_vnni, amx_tile, amx_int8, amx_bf16 from /proc/cpuinfo) or the GPU name, the torch and vLLM
+versions, torch's thread count and the model size. `--json FILE` writes {"meta": header, "rows": [...]}.
+Exit status 1 if a flashrl engine failed to start or to generate (the error is printed in its rows, the other
+engines still run); 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+OP = "rollout"
+IN_DEFAULT_RUN = False  # minutes per engine at the full size: `flashrl-kernels bench --op rollout`
+STANDALONE = True  # not a harness op: the CLI calls main(args); cases() is empty
+
+QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
+             "tie_word_embeddings": True, "max_positions": 4096}  # as in bench/sync_bench.py
+ENGINES = ("bf16", "flashrl_int8", "flashrl_fp8")
+CASES = ("decode8", "decode32", "prefill")
+QUICK_CASES = ("decode8", "prefill")  # --quick runs these unless --cases says otherwise
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16")
+DEFAULT_LAYERS, DEFAULT_HIDDEN, QUICK_LAYERS, QUICK_HIDDEN = 24, 896, 2, 128
+PROMPT_SEED, SAMPLE_SEED = 1234, 10_000
+MAX_MODEL_LEN, MAX_NUM_SEQS = 1024, 32
+
+
+def cases(quick, device):  # the harness interface; this op is standalone (main)
+    return []
+
+
+@dataclasses.dataclass
+class CaseSpec:
+    name: str
+    n_prompts: int
+    prompt_len: int
+    max_tokens: int
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.max_tokens == 1
+
+
+def case_specs(quick: bool) -> dict[str, CaseSpec]:
+    new = 16 if quick else 128
+    return {
+        "decode8": CaseSpec("decode8", 8, 16, new),
+        "decode32": CaseSpec("decode32", 32, 16, new),
+        "prefill": CaseSpec("prefill", 8, 64 if quick else 512, 1),
+    }
+
+
+def model_config(layers: int, hidden: int) -> dict:
+    """build_tiny_qwen2 keyword arguments: Qwen2.5-0.5B's shapes, `layers` deep, `hidden` wide."""
+    if hidden == QWEN2_05B["hidden"]:
+        return dict(QWEN2_05B, layers=layers)
+    head_dim = 64 if hidden >= 256 else 32
+    kv_heads = 2
+    if hidden % head_dim or (hidden // head_dim) % kv_heads:
+        raise ValueError(f"--hidden {hidden}: must be a multiple of {head_dim * kv_heads} "
+                         f"(head_dim {head_dim}, {kv_heads} KV heads)")
+    intermediate = max(64, round(hidden * QWEN2_05B["intermediate"] / QWEN2_05B["hidden"] / 64) * 64)
+    return dict(QWEN2_05B, layers=layers, hidden=hidden, heads=hidden // head_dim, kv_heads=kv_heads,
+                intermediate=intermediate)
+
+
+def checkpoint_dir(cache_dir: str | os.PathLike, cfg: dict) -> Path:
+    """The folder for this shape (the 896-wide ones are named as bench/sync_bench.py names them)."""
+    if all(cfg[k] == QWEN2_05B[k] for k in QWEN2_05B if k != "layers"):
+        return Path(cache_dir) / f"qwen2-0.5b-shapes-{cfg['layers']}l"
+    return Path(cache_dir) / (f"qwen2-v{cfg['vocab']}-h{cfg['hidden']}-l{cfg['layers']}-a{cfg['heads']}"
+                              f"x{cfg['kv_heads']}-i{cfg['intermediate']}"
+                              + ("-tied" if cfg["tie_word_embeddings"] else ""))
+
+
+def build_checkpoint(path: Path, cfg: dict, say=print) -> Path:
+    """Write the random checkpoint once (into a temporary folder renamed into place: concurrent runs are safe)."""
+    from flashrl_kernels.testing import build_tiny_qwen2
+
+    if (path / "model.safetensors").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    t0 = time.perf_counter()
+    build_tiny_qwen2(tmp, seed=0, init_std=0.02, **cfg)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"built checkpoint {path} in {time.perf_counter() - t0:.0f}s")
+    return path
+
+
+def make_prompts(spec: CaseSpec, vocab: int) -> list[list[int]]:
+    rng = random.Random(f"{PROMPT_SEED}-{spec.name}-{spec.n_prompts}-{spec.prompt_len}")
+    return [[rng.randrange(vocab) for _ in range(spec.prompt_len)] for _ in range(spec.n_prompts)]
+
+
+def hardware_line() -> dict:
+    import torch
+
+    info: dict = {}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["isa"] = None
+    else:
+        name, flags = None, set()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name") and name is None:
+                        name = line.split(":", 1)[1].strip()
+                    elif line.startswith("flags") and not flags:
+                        flags = set(line.split(":", 1)[1].split())
+        except OSError:
+            pass
+        name = name or platform.processor() or "cpu"
+        info["device"] = name
+        info["isa"] = [f for f in ISA_FLAGS if f in flags]
+    return info
+
+
+def header(args_view: dict) -> dict:
+    import torch
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except Exception as exc:  # reported, then every engine fails with the same reason
+        vllm_version = f"not importable ({type(exc).__name__}: {exc})"
+    return {**hardware_line(), "torch": torch.__version__, "vllm": vllm_version, "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **args_view,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version()}
+
+
+def format_header(h: dict) -> str:
+    isa = "" if h.get("isa") is None else f" ({' '.join(h['isa']) or 'none of ' + ', '.join(ISA_FLAGS)})"
+    return (f"{h['device']}{isa}; torch {h['torch']}, vllm {h['vllm']}, {h['threads']} threads; "
+            f"model {h['layers']} layers, hidden {h['hidden']}, vocab {h['vocab']} ({h['params_m']:.0f} M params); "
+            f"{'eager' if h['enforce_eager'] else 'compiled'}; median of {h['repeats']}"
+            + (f"; quant options {h['quant_options']}" if h.get("quant_options") else ""))
+
+
+def _params(cfg: dict) -> int:
+    h, i, v, heads, kv = cfg["hidden"], cfg["intermediate"], cfg["vocab"], cfg["heads"], cfg["kv_heads"]
+    hd = h // heads
+    layer = h * (heads * hd) + 2 * h * (kv * hd) + (heads + 2 * kv) * hd + (heads * hd) * h + 3 * h * i + 2 * h
+    return cfg["layers"] * layer + v * h * (1 if cfg["tie_word_embeddings"] else 2) + h
+
+
+@dataclasses.dataclass
+class Row:
+    engine: str
+    case: str
+    unit: str  # "generated" (decode) or "prompt" (prefill) tokens per second
+    tokens: int | None = None
+    median_s: float | None = None
+    times_s: list[float] | None = None
+    tokens_per_s: float | None = None
+    vs_bf16: float | None = None
+    kl_est: float | None = None
+    mean_abs_dlogp: float | None = None
+    max_abs_dlogp: float | None = None
+    engine_start_s: float | None = None
+    error: str | None = None
+
+
+def _err(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
+def score_sequences(llm, seqs: list[tuple[list[int], list[int]]], batch: int = 2) -> list[float]:
+    """Teacher-forced log-probabilities (T = 1) of every completion token, flattened, under `llm`."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    out: list[float] = []
+    for k in range(0, len(seqs), batch):  # a few sequences per call: prompt logprobs hold [tokens, vocab] fp32
+        chunk = seqs[k:k + batch]
+        res = llm.generate([{"prompt_token_ids": p + c} for p, c in chunk], sp, use_tqdm=False)
+        for (p, c), r in zip(chunk, res):
+            plp = r.prompt_logprobs
+            for j, tok in enumerate(c, start=len(p)):
+                out.append(plp[j][tok].logprob)
+    return out
+
+
+def _generate(llm, prompts, spec: CaseSpec, max_tokens: int | None = None):
+    from vllm import SamplingParams
+
+    # per-request seeds only for decoding: vLLM 0.32's CPU sampler raises "CPU Generator does not use offset"
+    # for a seeded request whose prompt is prefilled in chunks (long prompts), and a prefill's one token is not scored
+    seeded = not spec.is_prefill
+    sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens or spec.max_tokens, ignore_eos=True,
+                          seed=SAMPLE_SEED + i if seeded else None, detokenize=False) for i in range(len(prompts))]
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+
+
+def run(args) -> tuple[dict, list[Row]]:
+    """Build the checkpoint, run every engine and case; returns (header, rows)."""
+    quick = bool(getattr(args, "quick", False))
+    layers = args.layers if getattr(args, "layers", None) is not None else (QUICK_LAYERS if quick else DEFAULT_LAYERS)
+    hidden = args.hidden if getattr(args, "hidden", None) is not None else (QUICK_HIDDEN if quick else DEFAULT_HIDDEN)
+    repeats = getattr(args, "repeats", None) or 3
+    engines = _split(getattr(args, "engines", None), ENGINES, "--engines")
+    names = _split(getattr(args, "cases", None), CASES, "--cases", default=QUICK_CASES if quick else CASES)
+    eager = getattr(args, "eager", True)
+    eager = True if eager is None else bool(eager)
+    quant_options = getattr(args, "quant_options", None)
+    if quant_options is not None:
+        json.loads(quant_options)  # a clear error here rather than deep inside vLLM
+    engines = sorted(engines, key=lambda e: e != "bf16")  # bf16 first: the reference for ratios and KL
+    cfg = model_config(layers, hidden)
+    specs = case_specs(quick)
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-tensor load warnings, kernel registrations
+    from tqdm import tqdm
+
+    head = header({"layers": layers, "hidden": hidden, "vocab": cfg["vocab"], "heads": cfg["heads"],
+                   "kv_heads": cfg["kv_heads"], "intermediate": cfg["intermediate"], "params_m": _params(cfg) / 1e6,
+                   "enforce_eager": eager, "repeats": repeats, "quick": quick, "engines": engines, "cases": names,
+                   "quant_options": quant_options,
+                   "cases_spec": {n: dataclasses.asdict(specs[n]) for n in names}})
+    print(format_header(head), flush=True)
+    ckpt = build_checkpoint(checkpoint_dir(os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"), cfg),
+                            cfg)
+    head["checkpoint"] = str(ckpt)
+    prompts = {n: make_prompts(specs[n], cfg["vocab"]) for n in set(names) | {"decode8"}}
+    kw = {"dtype": "bfloat16", "enforce_eager": eager, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
+          "kv_cache_memory_bytes": (32 << 20) if quick else (256 << 20), "enable_prefix_caching": False, "seed": 0,
+          "logprobs_mode": "processed_logprobs"}
+
+    rows: list[Row] = []
+    kl_samples: list[tuple[list[int], list[int]]] | None = None
+    ref_logp: list[float] | None = None
+    bar = tqdm(total=len(engines) * len(names) * repeats, desc="rollout bench", unit="run", file=sys.stderr,
+               dynamic_ncols=True)
+    for engine in engines:
+        quant = None if engine == "bf16" else engine
+        engine_rows = {n: Row(engine, n, "prompt" if specs[n].is_prefill else "generated") for n in names}
+        rows.extend(engine_rows.values())
+        bar.set_postfix_str(f"{engine}: starting")
+        llm = None
+        try:
+            extra = {"hf_overrides": {"quantization_config_dict_json": quant_options}} if quant and quant_options else {}
+            import vllm
+
+            t0 = time.perf_counter()
+            llm = vllm.LLM(str(ckpt), quantization=quant, **kw, **extra)
+            start_s = time.perf_counter() - t0
+            for r in engine_rows.values():
+                r.engine_start_s = start_s
+            bar.set_postfix_str(f"{engine}: warm-up")
+            # one untimed generate per case (2 new tokens): first-call set-up of the prefill and decode paths of
+            # each batch shape stays out of the timed runs
+            for n in names:
+                _generate(llm, prompts[n], specs[n], max_tokens=2)
+        except Exception as exc:
+            for r in engine_rows.values():
+                r.error = f"engine: {_err(exc)}"
+            bar.update(len(names) * repeats)
+            llm = None
+            gc.collect()
+            continue
+
+        for name in names:
+            spec, row = specs[name], engine_rows[name]
+            bar.set_postfix_str(f"{engine}: {name}")
+            times: list[float] = []
+            try:
+                for rep in range(repeats):
+                    t0 = time.perf_counter()
+                    outs = _generate(llm, prompts[name], spec)
+                    times.append(time.perf_counter() - t0)
+                    bar.update(1)
+                    if spec.is_prefill:
+                        tokens = sum(len(o.prompt_token_ids) for o in outs)
+                    else:
+                        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                    if rep == 0 and engine == "bf16" and name == "decode8":
+                        kl_samples = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+                row.tokens, row.times_s = tokens, times
+                row.median_s = statistics.median(times)
+                row.tokens_per_s = tokens / row.median_s
+            except Exception as exc:
+                row.error = _err(exc)
+                bar.update(repeats - len(times))
+
+        # accuracy on the bf16 engine's decode8 samples
+        try:
+            if engine == "bf16" and kl_samples is None:
+                bar.set_postfix_str("bf16: decode8 samples for the KL")
+                outs = _generate(llm, prompts["decode8"], specs["decode8"])
+                kl_samples = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+            if kl_samples is not None and (engine == "bf16" or ref_logp is not None):
+                bar.set_postfix_str(f"{engine}: scoring the bf16 samples")
+                lp = score_sequences(llm, kl_samples)
+                if engine == "bf16":
+                    ref_logp = lp
+                d = [a - b for a, b in zip(ref_logp, lp)]
+                stats = (sum(d) / len(d), sum(abs(x) for x in d) / len(d), max(abs(x) for x in d))
+                for r in engine_rows.values():
+                    r.kl_est, r.mean_abs_dlogp, r.max_abs_dlogp = stats
+        except Exception as exc:
+            for r in engine_rows.values():
+                r.error = (r.error + "; " if r.error else "") + f"scoring: {_err(exc)}"
+        del llm
+        gc.collect()
+    bar.set_postfix_str("done")
+    bar.close()
+
+    base = {r.case: r.tokens_per_s for r in rows if r.engine == "bf16" and r.tokens_per_s}
+    for r in rows:
+        if r.tokens_per_s and base.get(r.case):
+            r.vs_bf16 = r.tokens_per_s / base[r.case]
+    return head, rows
+
+
+def _split(text, allowed, flag, default=None) -> list[str]:
+    if not text:
+        return list(default or allowed)
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in allowed]
+    if bad or not items:
+        raise ValueError(f"{flag}: unknown {', '.join(bad) or '(empty)'}; choose from {','.join(allowed)}")
+    return list(dict.fromkeys(items))
+
+
+def _fmt(v, spec):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def format_table(rows: list[Row]) -> str:
+    headers = ["engine", "case", "tokens/s", "x vs bf16", "KL est.", "mean|dlogp|", "max|dlogp|", "engine start s"]
+    table = []
+    for r in rows:
+        tps = _fmt(r.tokens_per_s, ".1f") + (" (prompt)" if r.unit == "prompt" and r.tokens_per_s else "")
+        cells = [r.engine, r.case, tps, _fmt(r.vs_bf16, ".2f"), _fmt(r.kl_est, ".2e"), _fmt(r.mean_abs_dlogp, ".3f"),
+                 _fmt(r.max_abs_dlogp, ".3f"), _fmt(r.engine_start_s, ".1f")]
+        if r.error:
+            cells.append(f"error: {r.error}")
+        table.append(cells)
+    widths = [max(len(str(c[i])) if i < len(c) else 0 for c in [headers, *table]) for i in range(len(headers))]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + (
+        "  " + cells[-1] if len(cells) > len(widths) else "")
+    out = [line(headers), line(["-" * w for w in widths])] + [line(c) for c in table]
+    out.append("tokens/s: generated tokens / median time (decode), prompt tokens / median time (prefill); "
+               "KL est. = mean(logp_bf16 - logp_engine) over the bf16 engine's decode8 samples (teacher-forced, T=1)")
+    return "\n".join(out)
+
+
+def rows_json(head: dict, rows: list[Row]) -> str:
+    return json.dumps({"meta": head, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1)
+
+
+def main(args) -> int:
+    """Entry point of `flashrl-kernels bench --op rollout` (args: the bench subcommand's namespace)."""
+    try:
+        head, rows = run(args)
+    except ValueError as exc:
+        print(f"flashrl-kernels bench --op rollout: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    path = getattr(args, "json", None)
+    if path:
+        with open(path, "w") as f:
+            f.write(rows_json(head, rows))
+        print(f"wrote {path}")
+    return 1 if any(r.error and r.engine != "bf16" for r in rows) else 0

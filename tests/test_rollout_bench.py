@@ -1,0 +1,101 @@
+"""`flashrl-kernels bench --op rollout`: CLI wiring (never through the per-op harness) and a quick real run."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flashrl_kernels import cli
+from flashrl_kernels.benchmarks import harness
+from flashrl_kernels.benchmarks import rollout as rb
+
+
+def _no_harness(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the harness must not run a standalone op")
+
+    monkeypatch.setattr(harness, "run", boom)
+    monkeypatch.setattr(harness, "load_cases", boom)
+    monkeypatch.setattr(harness, "copy_bandwidth_gbps", boom)
+
+
+def test_rollout_is_a_standalone_op_outside_the_default_run():
+    assert "rollout" in harness.op_modules()
+    assert "rollout" not in harness.op_modules(include_optional=False)
+    assert rb.STANDALONE and rb.IN_DEFAULT_RUN is False
+    assert rb.cases(True, "cpu") == [] and rb.cases(False, "cpu") == []
+
+
+def test_op_rollout_goes_to_its_own_main_not_the_harness(monkeypatch):
+    _no_harness(monkeypatch)
+    seen = []
+    monkeypatch.setattr(rb, "main", lambda args: seen.append(args) or 0)
+    argv = ["bench", "--op", "rollout", "--quick", "--layers", "1", "--hidden", "128", "--engines", "bf16",
+            "--cases", "prefill", "--no-eager", "--quant-options", '{"activation_quant": "none"}']
+    assert cli.main(argv) == 0
+    (args,) = seen
+    assert (args.layers, args.hidden, args.engines, args.cases) == (1, 128, "bf16", "prefill")
+    assert args.eager is False and args.quick and args.repeats is None
+    assert json.loads(args.quant_options) == {"activation_quant": "none"}
+    assert cli.main(["bench", "--op", "rollout"]) == 0
+    assert seen[-1].eager is True and seen[-1].layers is None and seen[-1].hidden is None  # rollout's defaults
+
+
+def test_rollout_beside_harness_ops_gets_its_own_json(monkeypatch, tmp_path):
+    ran, seen = [], []
+    monkeypatch.setattr(harness, "run", lambda modules, **kw: ran.append(modules) or [])
+    monkeypatch.setattr(harness, "copy_bandwidth_gbps", lambda device: 1.0)
+    monkeypatch.setattr(rb, "main", lambda args: seen.append(args.json) or 1)
+    out = tmp_path / "r.json"
+    assert cli.main(["bench", "--op", "rollout", "--op", "quantize", "--no-memory", "--json", str(out)]) == 1
+    assert ran == [["quantize"]]  # the harness never sees rollout
+    assert seen == [str(tmp_path / "r.rollout.json")] and out.exists()
+
+
+def test_rollout_bad_arguments_exit_2(capsys):
+    assert cli.main(["bench", "--op", "rollout", "--engines", "bf16,int4"]) == 2
+    assert "int4" in capsys.readouterr().err
+    assert cli.main(["bench", "--op", "rollout", "--cases", "decode8", "--quant-options", "{not json"]) == 2
+
+
+def test_model_shapes_scale_with_hidden():
+    assert rb.model_config(24, 896) == rb.QWEN2_05B
+    assert rb.model_config(6, 896)["layers"] == 6
+    small = rb.model_config(1, 128)
+    assert (small["heads"], small["kv_heads"], small["intermediate"], small["vocab"]) == (4, 2, 704, 151936)
+    big = rb.model_config(2, 1024)
+    assert (big["heads"], big["kv_heads"], big["intermediate"]) == (16, 2, 5568)
+    with pytest.raises(ValueError, match="hidden"):
+        rb.model_config(2, 100)
+    assert rb.checkpoint_dir("/c", rb.model_config(24, 896)).name == "qwen2-0.5b-shapes-24l"  # shared with sync_bench
+    assert rb.checkpoint_dir("/c", small) != rb.checkpoint_dir("/c", rb.model_config(2, 128))
+
+
+def test_quick_rollout_bench_end_to_end(tmp_path):
+    pytest.importorskip("vllm", exc_type=ImportError)
+    out = tmp_path / "rollout.json"
+    env = dict(os.environ, FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
+    cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
+           "--repeats", "1", "--engines", "bf16,flashrl_int8", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    meta, rows = data["meta"], data["rows"]
+    assert meta["layers"] == 1 and meta["hidden"] == 128 and meta["vllm"] and meta["torch"]
+    assert "threads" in meta and "device" in meta
+    assert {(r["engine"], r["case"]) for r in rows} == {(e, c) for e in ("bf16", "flashrl_int8")
+                                                        for c in ("decode8", "prefill")}
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["tokens_per_s"] > 0 and r["engine_start_s"] > 0
+        assert r["tokens"] == (8 * 16 if r["case"] == "decode8" else 8 * 64)
+        for k in ("kl_est", "mean_abs_dlogp", "max_abs_dlogp"):
+            assert math.isfinite(r[k]), r
+        if r["engine"] == "bf16":
+            assert r["vs_bf16"] == 1.0 and r["kl_est"] == 0.0 and r["max_abs_dlogp"] == 0.0
+        else:
+            assert r["vs_bf16"] > 0
+            assert 0 < r["mean_abs_dlogp"] <= r["max_abs_dlogp"] < 1.0  # INT8 weights: small, nonzero error
+    assert "flashrl_int8" in proc.stdout and "KL est." in proc.stdout

@@ -13,6 +13,7 @@ Stated bounds (tiny random model, init std 0.1, bf16 engine, CPU):
   tokens at T = 0.7 vs flashrl_kernels.token_logprobs(HF logits, T = 0.7):
   mean |diff| <= 0.04, max <= 0.2 (measured 0.014 / 0.065: bf16 kernels differ).
 """
+import gc
 import importlib.metadata
 import json
 import os
@@ -37,6 +38,9 @@ GREEDY = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0, "ignore_eos": Tru
 
 TIED_VOCAB = 100  # the tied model's vocabulary: vLLM pads it to 128 rows, so padding rows get tested
 LM_HEAD = {"quantization_config_dict_json": json.dumps({"quantize_lm_head": True})}
+
+
+MAX_LIVE_ENGINES = 6
 
 
 def _engine_kwargs():
@@ -79,11 +83,18 @@ def ckpt_name(tied, perturbed):
 def engines(ckpts):
     """engines(quantization, checkpoint, tag="", lm_head=False, eager=True) -> a vllm.LLM, built once per
     module and key. lm_head: the quantize_lm_head option; eager=False: vLLM's default compiled mode."""
-    cache = {}
+    cache = {}  # least recently used first
 
     def get(quant, ckpt="base", tag="", *, lm_head=False, eager=True):
         key = (quant, ckpt, tag, lm_head, eager)
-        if key not in cache:
+        if key in cache:
+            cache[key] = cache.pop(key)  # most recently used
+        else:
+            # bounded: each engine holds a few hundred MB (more in compiled mode), and the module starts ~23 of
+            # them; no test uses more than 3 at once
+            while len(cache) >= MAX_LIVE_ENGINES:
+                del cache[next(iter(cache))]
+                gc.collect()
             kw = {**_engine_kwargs(), "enforce_eager": eager}
             if lm_head:
                 kw["hf_overrides"] = LM_HEAD
@@ -92,6 +103,7 @@ def engines(ckpts):
 
     yield get
     cache.clear()
+    gc.collect()
 
 
 def state_dict_of(path):

@@ -78,13 +78,11 @@ def use_activation_quant(mode: str, weight: torch.Tensor) -> bool:
         return True
     if weight.device.type != "cpu" or weight.dtype != torch.int8:
         return False
-    from flashrl_kernels import _backend
+    from flashrl_kernels.ops.quantize import direct_scaled_linear
 
-    if not _backend.native_built():
-        return False
-    from flashrl_kernels.native.quantize import w8a8_native
-
-    return w8a8_native(weight)
+    # the native backend runs scaled_linear here and its kernel has integer dot products (else W8A8 would be
+    # the slower, emulated path)
+    return direct_scaled_linear(weight, True) is not None
 
 
 def prepare_layer(layer: torch.nn.Module, mode: str) -> None:

@@ -53,7 +53,7 @@ def random_tensors(ckpt: Path, seed: int):
     g = torch.Generator().manual_seed(seed)
     out = []
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        for name in f:
+        for name in f.keys():
             shape = f.get_slice(name).get_shape()
             out.append((name, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)))
     return out

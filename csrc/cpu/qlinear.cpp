@@ -6,7 +6,7 @@
 // the FP8 fake-quant of x is done by the caller). The weight stays in its plain [N, K] layout, so an
 // in-place weight sync (quantize_rows_ into the same storage) is seen by the next call: nothing is
 // prepacked. Each call reads the int8/fp8 weight once (half the bytes of bf16) and widens it in
-// registers; decoding is bound by those bytes.
+// registers or in a small per-thread scratch; decoding is bound by reading those bytes.
 //
 // Paths (chosen per call; the capability flags come from the library's build, the extensions are
 // checked at run time):
@@ -14,14 +14,16 @@
 //                              the +128 offset removed with sum_k q[n, k] computed by one more vpdpbusd
 //                              per 64 weights (no precomputed row sums, which a sync would have to refresh).
 //                              Integer sums are exact; the product of the two fp32 scales is the only rounding.
-//   weight-only, bf16 x, AVX-512 BF16: weights widened to bf16 (exact: int8 and e4m3 fit in bf16),
-//                              vdpbf16ps into fp32 accumulators.
+//   weight-only, bf16 x, AVX-512 BF16: each block of 4 rows widened once to bf16 (exact: int8 and e4m3
+//                              fit in bf16) into a per-thread scratch, then vdpbf16ps into fp32 accumulators.
 //   weight-only otherwise:     weights widened to fp32, FMA into fp32 accumulators (AVX-512 or AVX2).
+//   bf16_linear:               the same bf16 tiles on a plain bf16 weight's own rows (a model-dtype LM head).
 //   DEFAULT (portable) builds: scalar loops (the Python side prefers ATen there).
 // FP8 e4m3fn is widened through fp16: its bits shifted into an fp16 are the value times 2^-8 (subnormals
 // included), which vcvtph2ps converts exactly; the 2^8 goes into the row scale.
-// Lanes run along K, so every (m, n) needs one horizontal sum at the end of its row; rows are taken NB at
-// a time and tokens MT at a time so that each loaded weight vector is used MT times from registers.
+// Lanes run along K, so every (m, n) needs one horizontal sum at the end of its row. AVX-512 tiles are 4
+// tokens x 4 weight rows, whose 16 sums one transposing tree (hsum16) puts in one vector, so the epilogue
+// is vector code; AVX2 / portable tiles are up to 4 x 2 with a scalar epilogue. See docs/native.md.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -70,6 +70,17 @@ _CAPABILITY_SCRIPT = textwrap.dedent("""
             y = torch.ops.flashrl_native.qlinear(x, q, s, b, False)
             ref = scaled_linear_spec(x, q, s, b, False)
             assert (y.double() - ref).abs().max() <= tol * ref.abs().max(), (qd, xd)
+    w, x, b = torch.randn(9, 37).bfloat16(), torch.randn(5, 37).bfloat16(), torch.randn(9)
+    if torch.ops.flashrl_native.qlinear_caps()[2]:  # the plain bf16 head kernel: fp32 FMAs on AVX2
+        ref = x.double() @ w.double().T + b.double()
+        y = torch.ops.flashrl_native.bf16_linear(x, w, b)
+        assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    else:
+        try:
+            torch.ops.flashrl_native.bf16_linear(x, w, b)
+            raise AssertionError("bf16_linear ran on a portable build")
+        except RuntimeError as e:
+            assert "AVX2 or AVX-512" in str(e)
     print(json.dumps(out))
 """)
 

@@ -169,9 +169,9 @@ def test_spec_of_quantized_tokens_matches_kernel_scales():
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (8, 151, 896), (5, 7, 33), (70, 13, 100)])
 def test_bf16_linear_vs_float64(m, n, k):
-    """The plain bf16 kernel the quantized engine's model-dtype LM head runs (AVX-512 BF16 CPUs)."""
-    if not _caps()["bf16_dot"]:
-        pytest.skip("no AVX-512 BF16 on this CPU")
+    """The plain bf16 kernel the quantized engine's model-dtype LM head runs (vector builds)."""
+    if not _caps()["vector"]:
+        pytest.skip("portable build: no bf16_linear")
     g = torch.Generator().manual_seed(m + n + k)
     w = torch.randn(n, k + 3, generator=g).bfloat16()[:, 1:k + 1]  # strided rows
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -194,7 +194,7 @@ def test_direct_ops_follow_the_backend_choice():
         assert direct_scaled_linear(q, False) is torch.ops.flashrl_native.qlinear
         assert (direct_scaled_linear(q, True) is torch.ops.flashrl_native.qlinear) == _caps()["w8a8_vnni"]
         assert direct_scaled_linear(q8, True) is None  # fp8 W8A8 is emulated by scaled_linear
-        assert (direct_bf16_linear(torch.randn(4, 64).bfloat16()) is not None) == _caps()["bf16_dot"]
+        assert (direct_bf16_linear(torch.randn(4, 64).bfloat16()) is not None) == _caps()["vector"]
         assert direct_bf16_linear(torch.randn(4, 64)) is None
     with fk.use_backend("torch"):
         assert direct_scaled_linear(q, False) is None and direct_bf16_linear(torch.randn(4, 64).bfloat16()) is None
@@ -211,3 +211,42 @@ def test_direct_op_traces_under_torch_compile():
     f = torch.compile(lambda x: op(x, q, s, None, False), fullgraph=True)
     x = torch.randn(3, 64)
     assert torch.equal(f(x), op(x, q, s, None, False))
+
+
+_FALLBACK_SCRIPT = r"""
+import torch
+import flashrl_kernels as fk
+from flashrl_kernels.native.quantize import qlinear_capabilities
+from flashrl_kernels.reference.quantize import scaled_linear_spec
+caps = qlinear_capabilities()
+assert not caps["w8a8_vnni"] and not caps["bf16_dot"], caps
+g = torch.Generator().manual_seed(3)
+x, w, b = torch.randn(6, 97, generator=g).bfloat16(), torch.randn(11, 97, generator=g).bfloat16(), torch.randn(11)
+ref = x.double() @ w.double().T + b.double()
+y = torch.ops.flashrl_native.bf16_linear(x, w, b)
+assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+for qd in (torch.int8, torch.float8_e4m3fn):
+    q, s = fk.quantize_rows(torch.randn(11, 97, generator=g), qd)
+    y = torch.ops.flashrl_native.qlinear(x, q, s, b, False)
+    ref = scaled_linear_spec(x, q, s, b, False)
+    assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max(), qd
+try:
+    torch.ops.flashrl_native.qlinear(x, q, s, b, True)
+    raise AssertionError("act_quant ran without VNNI")
+except RuntimeError as e:
+    assert "VNNI" in str(e)
+print("ok")
+"""
+
+
+def test_avx512_fallbacks_without_bf16_and_vnni():
+    """On AVX-512 CPUs without BF16 / VNNI (hidden here by FLASHRL_NATIVE_CPU_DISABLE) the fp32 paths run."""
+    import os
+    import subprocess
+    import sys
+
+    if not _caps()["vector"] or not (_caps()["bf16_dot"] or _caps()["w8a8_vnni"]):
+        pytest.skip("no AVX-512 BF16 / VNNI here to hide")
+    env = {**os.environ, "FLASHRL_NATIVE_CPU_DISABLE": "avx512bf16,avx512vnni"}
+    r = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]

@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -50,10 +51,15 @@ namespace flashrl_native {
 namespace {
 
 #define FLASHRL_UNROLL _Pragma("GCC unroll 16")
+#define FLASHRL_PREFETCH_HINT _MM_HINT_T1  // see kPrefetchBlocks
 
 using fp8 = c10::Float8_e4m3fn;
 constexpr int64_t kMChunk = 64;  // tokens per pass over the weight: their activations stay in L2
 constexpr float kZeroRowAmax = 0x1p-100f;
+// Weight rows are prefetched into L2, not L1 (prefetcht1): on the Zen 4 VM measured, T0 prefetches
+// streamed the cold weights at ~15 GB/s on 2 threads and T1 at ~23 GB/s (machine read ceiling ~33),
+// at every distance from 2 to 16 blocks; 4 blocks is ~14 KiB ahead at K = 896, ~78 KiB at K = 4864.
+constexpr int64_t kPrefetchBlocks = 4;
 
 template <typename T>
 inline float to_f32(T v) {
@@ -94,6 +100,9 @@ inline __m256i fp8_as_fp16(__m128i b) {  // 16 e4m3 bytes -> 16 fp16 holding val
   const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7);
   return _mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xBF80)));
 }
+inline FVec wload(const c10::BFloat16* p) {  // exact: bf16 is the top half of an fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 inline FVec wload(const fp8* p) {
   return _mm512_cvtph_ps(fp8_as_fp16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -112,6 +121,9 @@ inline float fsum(FVec v) {
 inline FVec wload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline FVec wload(const c10::BFloat16* p) {  // exact: bf16 is the top half of an fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 inline FVec wload(const fp8* p) {
   __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
   h = _mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0xBF80)));
@@ -126,15 +138,21 @@ constexpr float kVecWeightFactor = std::is_same_v<Q, fp8> ? 0x1p-8f : 1.f;
 // ------------------------------------------------------------------ AVX2 / portable: MT x NB tiles, scalar epilogue
 #if defined(CPU_CAPABILITY_AVX2)
 // out[m * NB + j] = sum_k x[m, k] * q[j, k] (unscaled), for MT tokens and NB weight rows
+// pf > 0: prefetch each row's bytes pf ahead into L2 (a line per 64 bytes of weight; see kPrefetchBlocks)
 template <int MT, int NB, typename Q>
-inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int64_t k_len, float* out) {
+inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int64_t k_len, float* out,
+                      int64_t pf = 0) {
   FVec acc[MT][NB];
   FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
     FLASHRL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = fzero();
   int64_t k = 0;
   for (; k + kFW <= k_len; k += kFW) {
     FVec wv[NB];
-    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) wv[j] = wload(w + j * ldw + k);
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) {
+      wv[j] = wload(w + j * ldw + k);
+      if (pf && (k * int64_t{sizeof(Q)}) % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + pf, FLASHRL_PREFETCH_HINT);
+    }
     FLASHRL_UNROLL for (int m = 0; m < MT; ++m) {
       const FVec xv = fload(x + m * ldx + k);
       FLASHRL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = ffma(xv, wv[j], acc[m][j]);
@@ -151,7 +169,8 @@ inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int6
 }
 #elif !defined(CPU_CAPABILITY_AVX512)
 template <int MT, int NB, typename Q>
-inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int64_t k_len, float* out) {
+inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int64_t k_len, float* out,
+                      int64_t = 0) {
   FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
     FLASHRL_UNROLL for (int j = 0; j < NB; ++j) {
       float s = 0.f;
@@ -183,7 +202,9 @@ FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const fp8* p) {
 // ------------------------------------------------------------------ W8A8 int8, VNNI
 #define FLASHRL_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
+// FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni hides those extensions (to test and time the fallbacks)
 bool cpu_has(const char* what) {
+  if (const char* off = std::getenv("FLASHRL_NATIVE_CPU_DISABLE"); off && std::strstr(off, what)) return false;
   __builtin_cpu_init();
   if (std::strcmp(what, "avx512bf16") == 0) return __builtin_cpu_supports("avx512bf16");
   if (std::strcmp(what, "avx512vnni") == 0) return __builtin_cpu_supports("avx512vnni");
@@ -328,10 +349,16 @@ void quantize_tokens_u8(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t l
 #endif
 
 #if !defined(CPU_CAPABILITY_AVX512)
+// y = x @ (w * scale).T + bias with fp32 FMAs; scale may be null (1)
 template <typename Out, typename Q>
-void run_weight_only(const at::Tensor& x, const at::Tensor& q, const float* scale, const float* bias, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), ldw = q.stride(0);
-  const Q* w = q.const_data_ptr<Q>();
+void run_weight_only(const at::Tensor& x, const Q* w, int64_t ldw, int64_t N, const float* scale, const float* bias,
+                     at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> ones;
+  if (!scale) {
+    ones.assign(static_cast<size_t>(N), 1.f);
+    scale = ones.data();
+  }
   Writer<Out> emit{y.data_ptr<Out>(), N, scale, bias};
   std::vector<float> xf_buf;
   const float* xf;
@@ -343,10 +370,12 @@ void run_weight_only(const at::Tensor& x, const at::Tensor& q, const float* scal
     xf = xf_buf.data();
   }
   const int64_t ldx = x.scalar_type() == at::kFloat ? x.stride(0) : K;
+  const int64_t pf_bytes = kPrefetchBlocks * 2 * ldw * int64_t{sizeof(Q)};
   drive<2>(M, N, [&](int64_t m0, int64_t mt, int64_t n0, int64_t nb, float* out) {
+    const int64_t pf = m0 % kMChunk == 0 ? pf_bytes : 0;  // the first token tile of a row block
     by_shape<2>(mt, nb, [&](auto MT, auto NB, int64_t j = 0) {
       fma_block<decltype(MT)::value, decltype(NB)::value>(xf + m0 * ldx, ldx, w + (n0 + j) * ldw, ldw, K,
-                                                         out + j * decltype(MT)::value);
+                                                         out + j * decltype(MT)::value, pf);
     });
     if (nb != 2) {
       float t[16];
@@ -371,7 +400,7 @@ template <typename Q>
 inline void widen_row_f32(const Q* w, int64_t K, float* dst, int64_t pf) {
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + pf, _MM_HINT_T0);
+    if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + pf, FLASHRL_PREFETCH_HINT);
     _mm512_storeu_ps(dst + k, wload(w + k));
   }
   for (; k < K; ++k) dst[k] = to_f32(w[k]) * kVecWeightFactor<Q>;
@@ -380,7 +409,7 @@ template <typename Q>
 FLASHRL_BF16_TARGET inline void widen_row_bf16(const Q* w, int64_t K, c10::BFloat16* dst, int64_t pf) {
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + pf, _MM_HINT_T0);
+    if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + pf, FLASHRL_PREFETCH_HINT);
     _mm512_storeu_si512(dst + k, (__m512i)wload_bf16(w + k));
   }
   for (; k < K; ++k) dst[k] = c10::BFloat16(to_f32(w[k]) * kVecWeightFactor<Q>);
@@ -428,7 +457,7 @@ FLASHRL_BF16_TARGET inline __m512 bf16_tile(const c10::BFloat16* const* xr, cons
     __m512bh wv[4];
     FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
       wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, _MM_HINT_T0);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, FLASHRL_PREFETCH_HINT);
     }
     FLASHRL_UNROLL for (int m = 0; m < 4; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[m] + k);
@@ -442,9 +471,12 @@ FLASHRL_BF16_TARGET inline __m512 bf16_tile(const c10::BFloat16* const* xr, cons
   return k < K ? _mm512_add_ps(r, tail_dots(xr, wr, k, K)) : r;
 }
 
-// sum_k (xq + 128) * q - 128 * sum_k q = sum_k xq * q, exact in int32 for K <= 65536, as fp32 (lane 4 m + j)
+// sum_k (xq + 128) * q - 128 * sum_k q = sum_k xq * q, exact in int32 for K <= 65536, as fp32 (lane 4 m + j).
+// The row sums sum_k q[j, k] (lane 4 m + j of `wsum`) cost 4 of every 20 vpdpbusd: the first token tile of a
+// row block (kRowSums) computes them, the others of the same block reuse them.
+template <bool kRowSums>
 FLASHRL_VNNI_TARGET inline __m512 vnni_tile(const uint8_t* const* xr, const int8_t* const* wr, int64_t K,
-                                             int64_t pf) {
+                                             int64_t pf, __m512i& wsum) {
   __m512i acc[4][4], cmp[4];
   FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
     cmp[j] = _mm512_setzero_si512();
@@ -458,19 +490,22 @@ FLASHRL_VNNI_TARGET inline __m512 vnni_tile(const uint8_t* const* xr, const int8
     __m512i wv[4];
     FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
       wv[j] = _mm512_maskz_loadu_epi8(mask, wr[j] + k);  // zero weights past K: the padding adds 0
-      cmp[j] = _mm512_dpbusd_epi32(cmp[j], ones, wv[j]);
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, _MM_HINT_T0);
+      if constexpr (kRowSums) cmp[j] = _mm512_dpbusd_epi32(cmp[j], ones, wv[j]);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, FLASHRL_PREFETCH_HINT);
     }
     FLASHRL_UNROLL for (int m = 0; m < 4; ++m) {
       const __m512i xv = _mm512_loadu_si512(xr[m] + k);  // rows padded to a multiple of 64
       FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
     }
   }
-  __m512i flat[16], sums[16];
+  __m512i flat[16];
   FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
     FLASHRL_UNROLL for (int j = 0; j < 4; ++j) flat[4 * m + j] = acc[m][j];
-  FLASHRL_UNROLL for (int i = 0; i < 16; ++i) sums[i] = i < 4 ? cmp[i] : _mm512_setzero_si512();
-  const __m512i wsum = _mm512_broadcast_i32x4(_mm512_castsi512_si128(hsum16(sums)));  // lane 4 m + j: sum q[j]
+  if constexpr (kRowSums) {
+    __m512i sums[16];
+    FLASHRL_UNROLL for (int i = 0; i < 16; ++i) sums[i] = i < 4 ? cmp[i] : _mm512_setzero_si512();
+    wsum = _mm512_broadcast_i32x4(_mm512_castsi512_si128(hsum16(sums)));
+  }
   const __m512i d = _mm512_sub_epi32(hsum16(flat), _mm512_slli_epi32(wsum, 7));
   return _mm512_cvtepi32_ps(d);
 }
@@ -478,7 +513,6 @@ FLASHRL_VNNI_TARGET inline __m512 vnni_tile(const uint8_t* const* xr, const int8
 // y[m0 + m, n0 + j] = dot * xs[m0 + m] * scale[n0 + j] + bias[n0 + j] for every tile, tiles over threads by rows
 // `rows(n0, nb, wr)` points wr[0..3] at the tile's 4 weight rows (rows past N at the first), in the element
 // type W the tile multiplies (int8 as stored, or a widened scratch copy owned by the rows functor's thread)
-constexpr int64_t kPrefetchBlocks = 4;
 template <typename Out, typename X, typename W, typename Rows, typename Tile>
 void drive512(int64_t M, int64_t N, int64_t K, const X* x, int64_t ldx, const float* xs, const float* scale,
               const float* bias, Out* y, Rows&& make_rows, Tile&& tile, int64_t ldw_bytes) {
@@ -496,13 +530,14 @@ void drive512(int64_t M, int64_t N, int64_t K, const X* x, int64_t ldx, const fl
         const __m512 colscale = scale ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, scale + n0))
                                       : _mm512_set1_ps(1.f);
         const __m512 colbias = bias ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, bias + n0)) : _mm512_setzero_ps();
+        __m512i block_state = _mm512_setzero_si512();  // what a tile keeps for the next token tiles of this block
         for (int64_t m0 = mc; m0 < mend; m0 += 4) {
           const int64_t mt = std::min<int64_t>(4, mend - m0);
           const X* xr[4];
           for (int m = 0; m < 4; ++m) xr[m] = x + (m0 + (m < mt ? m : 0)) * ldx;
           // the first token tile of a row block prefetches the block kPrefetchBlocks ahead, a line per weight load
           const int64_t pf = (m0 == mc && b + kPrefetchBlocks < b1) ? kPrefetchBlocks * 4 * ldw_bytes : 0;
-          __m512 v = _mm512_mul_ps(tile(xr, wr, K, pf), colscale);
+          __m512 v = _mm512_mul_ps(tile(xr, wr, K, pf, m0 == mc, block_state), colscale);
           if (xs) {
             const __m128 s4 = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << mt) - 1), xs + m0);
             v = _mm512_mul_ps(v, _mm512_permutexvar_ps(xs_idx, _mm512_castps128_ps512(s4)));
@@ -574,8 +609,10 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
     quantize_tokens_u8(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xu.data(), xs.data());
     const StoredRows<int8_t> rows{q.const_data_ptr<int8_t>(), ldw};
     drive512<Out, uint8_t, int8_t>(M, N, K, xu.data(), ldu, xs.data(), scale, bias, yp, [&] { return rows; },
-                                   [](const uint8_t* const* xr, const int8_t* const* wr, int64_t k, int64_t pf) {
-                                     return vnni_tile(xr, wr, k, pf);
+                                   [](const uint8_t* const* xr, const int8_t* const* wr, int64_t k, int64_t pf,
+                                      bool first, __m512i& wsum) {
+                                     return first ? vnni_tile<true>(xr, wr, k, pf, wsum)
+                                                  : vnni_tile<false>(xr, wr, k, pf, wsum);
                                    }, ldw);
     return;
   }
@@ -590,7 +627,7 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
         drive512<Out, c10::BFloat16, c10::BFloat16>(
             M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), nullptr, sc.data(), bias, yp,
             [&] { return WidenedRows<Q, c10::BFloat16>{w, ldw, K, N, {}}; },
-            [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t) {
+            [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t, bool, __m512i&) {
               return bf16_tile(xr, wr, k, 0);  // a widened scratch: the widening prefetches the source rows
             }, 0);
         return;
@@ -609,7 +646,7 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
     }
     drive512<Out, float, float>(M, N, K, xf, ldx, nullptr, sc.data(), bias, yp,
                                 [&] { return WidenedRows<Q, float>{w, ldw, K, N, {}}; },
-                                [](const float* const* xr, const float* const* wr, int64_t k, int64_t) {
+                                [](const float* const* xr, const float* const* wr, int64_t k, int64_t, bool, __m512i&) {
                                   return fma_tile(xr, wr, k);
                                 }, 0);
   };
@@ -628,9 +665,9 @@ void run_typed(const at::Tensor& x, const at::Tensor& q, const float* scale, con
   run_avx512<Out>(x, q, scale, bias, act_quant, y);
 #else
   if (q.scalar_type() == at::kChar) {
-    run_weight_only<Out, int8_t>(x, q, scale, bias, y);
+    run_weight_only<Out, int8_t>(x, q.const_data_ptr<int8_t>(), q.stride(0), q.size(0), scale, bias, y);
   } else {
-    run_weight_only<Out, fp8>(x, q, scale, bias, y);
+    run_weight_only<Out, fp8>(x, q.const_data_ptr<fp8>(), q.stride(0), q.size(0), scale, bias, y);
   }
 #endif
 }
@@ -676,10 +713,13 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 
 // y = x @ w.T + bias for a plain bf16 weight (the model-dtype LM head of a quantized engine): the bf16
 // dot-product tiles on the stored rows, nothing packed (an in-place sync of w is seen by the next call).
-// AVX-512 BF16 CPUs only (qlinear_caps()[1]); elsewhere the caller uses F.linear.
+// AVX-512 BF16 CPUs: vdpbf16ps; other AVX-512 / AVX2 CPUs: rows widened to fp32 and FMAs (torch's bf16
+// GEMM runs at ~1 GFLOP/s on AVX2-only CPUs). Portable builds: not available (qlinear_caps()[2] = 0).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "bf16_linear";
-  TORCH_CHECK(kHasBf16, op, ": needs an AVX-512 BF16 CPU");
+#if !defined(CPU_CAPABILITY_AVX512) && !defined(CPU_CAPABILITY_AVX2)
+  TORCH_CHECK(false, op, ": needs an AVX2 or AVX-512 build (qlinear_caps()[2])");
+#endif
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), op, ": x [M, K] and w [N, K], got ", x.sizes(),
               " and ", w.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, op, ": bfloat16 x and w only");
@@ -690,14 +730,31 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const std::vector<float> bias_f = bias_as_f32(bias, N, op);
+  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+  const c10::BFloat16* wp = w.const_data_ptr<c10::BFloat16>();
 #if defined(CPU_CAPABILITY_AVX512)
-  const StoredRows<c10::BFloat16> rows{w.const_data_ptr<c10::BFloat16>(), w.stride(0)};
-  drive512<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
-      M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), nullptr, nullptr,
-      bias_f.empty() ? nullptr : bias_f.data(), y.data_ptr<c10::BFloat16>(), [&] { return rows; },
-      [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t pf) {
-        return bf16_tile(xr, wr, k, pf);
-      }, w.stride(0) * 2);
+  if (kHasBf16) {
+    const StoredRows<c10::BFloat16> rows{wp, w.stride(0)};
+    drive512<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
+        M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), nullptr, nullptr, bp, y.data_ptr<c10::BFloat16>(),
+        [&] { return rows; },
+        [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t pf, bool, __m512i&) {
+          return bf16_tile(xr, wr, k, pf);
+        }, w.stride(0) * 2);
+    return y;
+  }
+  // no bf16 dot products: rows widened to fp32 (exact) and FMAs, where torch's bf16 GEMM is far slower
+  std::vector<float> xf(static_cast<size_t>(M * K));
+  rows_to_f32(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, xf.data());
+  const int64_t ldw = w.stride(0);
+  drive512<c10::BFloat16, float, float>(
+      M, N, K, xf.data(), K, nullptr, nullptr, bp, y.data_ptr<c10::BFloat16>(),
+      [&] { return WidenedRows<c10::BFloat16, float>{wp, ldw, K, N, {}}; },
+      [](const float* const* xr, const float* const* wr, int64_t k, int64_t, bool, __m512i&) {
+        return fma_tile(xr, wr, k);
+      }, 0);
+#elif defined(CPU_CAPABILITY_AVX2)
+  run_weight_only<c10::BFloat16, c10::BFloat16>(x, wp, w.stride(0), N, nullptr, bp, y);
 #endif
   return y;
 }

@@ -98,13 +98,14 @@ def _bf16_linear_fake(x, w, bias):
 
 
 def direct_bf16_linear(w: torch.Tensor):
-    """`torch.ops.flashrl_native.bf16_linear` for a plain bf16 CPU weight on an AVX-512 BF16 CPU, else None.
+    """`torch.ops.flashrl_native.bf16_linear` for a plain bf16 CPU weight on an AVX2 / AVX-512 build, else None.
 
-    A bf16 GEMV/GEMM from the stored [N, K] rows (vdpbf16ps, nothing packed): the model-dtype LM head of a
-    quantized engine, which must keep reading its own storage so that in-place syncs show. torch's bf16
-    F.linear on such rows is ~2x slower than vLLM's prepacked oneDNN head at decode sizes.
+    A bf16 GEMV/GEMM from the stored [N, K] rows (nothing packed): the model-dtype LM head of a quantized
+    engine, which must keep reading its own storage so that in-place syncs show. vdpbf16ps on AVX-512 BF16
+    CPUs (torch's bf16 F.linear on such rows is ~2x slower at decode sizes), rows widened to fp32 elsewhere
+    (where torch's bf16 GEMM runs at ~1 GFLOP/s).
     """
     if (w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2 or w.stride(1) != 1
-            or not qlinear_capabilities()["bf16_dot"]):
+            or not qlinear_capabilities()["vector"]):
         return None
     return torch.ops.flashrl_native.bf16_linear

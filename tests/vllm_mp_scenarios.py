@@ -1,0 +1,131 @@
+"""Multi-process vLLM engines for tests/test_vllm_multiprocess.py, one scenario per subprocess (so that the
+engine mode comes from this process's environment and every engine process is gone afterwards).
+
+    python tests/vllm_mp_scenarios.py {tp2|mp1} CKPT_ROOT OUT_JSON
+
+CKPT_ROOT holds `base` and `perturbed` tiny Qwen2 checkpoints. The scenario writes what it measured to
+OUT_JSON; the test asserts on it. Engines run one or two at a time (2-core CI machines).
+"""
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _shutdown(llm):
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _rank_states(llm):
+    """Per rank: {name: [sha256, bytes, storage address, dtype]} for every parameter and scale buffer."""
+    from _vllm_util import weights_as_bytes  # importable by the workers (PYTHONPATH), unlike a local function
+
+    return llm.apply_model(weights_as_bytes)
+
+
+def _same_bytes(a, b):
+    return a.keys() == b.keys() and all(a[n][:2] == b[n][:2] for n in a)
+
+
+def _bad_sets(sd):
+    good = list(sd.items())
+    up = "model.layers.1.mlp.up_proj.weight"
+    nan = sd[up].clone()
+    nan[3, 5] = float("nan")
+    return {  # the bad tensor last: a sync that wrote before validating would change the engine
+        "wrong shape": good + [(up, sd[up][:, :-1])],
+        "unknown name": good + [("model.layers.7.mlp.up_proj.weight", sd[up])],
+        "nan": [(n, t) for n, t in good if n != up] + [(up, nan)],
+    }
+
+
+def tp2(root: Path, vllm, kw):
+    """TP = 2 engines: generate, logprobs vs the TP = 2 bf16 engine, sync == fresh engine, bad syncs."""
+    from _vllm_util import generate, greedy_logprob_diff, state_dict_of
+
+    from flashrl_kernels.integrations.vllm import sync_weights
+
+    kw = {**kw, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    out = {}
+    ref = vllm.LLM(str(root / "base"), **kw)
+    for quant in ("flashrl_fp8", "flashrl_int8"):
+        llm = vllm.LLM(str(root / "base"), quantization=quant, **kw)
+        diff = greedy_logprob_diff(ref, llm)
+        out[quant] = {"mean": float(diff.mean()), "max": float(diff.max()),
+                      "dtypes": [sorted({v[3] for n, v in st.items() if n.endswith("proj.weight")})
+                                 for st in _rank_states(llm)]}
+        if quant == "flashrl_fp8":
+            _shutdown(llm)
+    _shutdown(ref)
+    # llm: the TP = 2 int8 engine; a perturbed sync, then the bad ones
+    ids0 = generate(llm)
+    before = _rank_states(llm)
+    sd = state_dict_of(root / "perturbed")
+    res = sync_weights(llm, sd)
+    after = _rank_states(llm)
+    synced = generate(llm)
+    out["sync"] = {
+        "n_tensors": res.n_tensors, "n_sent": len(sd), "bytes": res.bytes_written,
+        "bytes_stored": sum(v[1] for st in after for v in st.values()),
+        "ptrs_kept": [{n: v[2] for n, v in b.items()} == {n: v[2] for n, v in a.items()}
+                      for b, a in zip(before, after)],
+        "changed": synced != ids0,
+    }
+    out["bad"] = {}
+    for case, tensors in _bad_sets(sd).items():
+        try:
+            sync_weights(llm, tensors)
+            out["bad"][case] = {"raised": None}
+        except (ValueError, TypeError) as e:
+            out["bad"][case] = {"raised": type(e).__name__, "message": str(e)}
+        now = _rank_states(llm)
+        out["bad"][case]["unchanged"] = all(_same_bytes(a, b) for a, b in zip(after, now)) and generate(llm) == synced
+    fresh = vllm.LLM(str(root / "perturbed"), quantization="flashrl_int8", **kw)
+    out["sync"]["equals_fresh"] = generate(fresh) == synced
+    out["sync"]["state_equals_fresh"] = [_same_bytes(a, b) for a, b in zip(after, _rank_states(fresh))]
+    _shutdown(fresh)
+    _shutdown(llm)
+    return out
+
+
+def mp1(root: Path, vllm, kw):
+    """vLLM's default multi-process engine at TP = 1, without insecure serialization: sync == fresh."""
+    from _vllm_util import generate, state_dict_of
+
+    from flashrl_kernels.integrations.vllm import sync_weights
+
+    assert os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "0") == "0"
+    llm = vllm.LLM(str(root / "base"), quantization="flashrl_int8", **kw)
+    ids0 = generate(llm)
+    sd = state_dict_of(root / "perturbed")
+    res = sync_weights(llm, sd)
+    synced = generate(llm)
+    try:
+        sync_weights(llm, _bad_sets(sd)["nan"])
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    out = {"n_tensors": res.n_tensors, "bytes": res.bytes_written, "changed": synced != ids0, "bad": bad,
+           "unchanged_after_bad": generate(llm) == synced}
+    _shutdown(llm)
+    fresh = vllm.LLM(str(root / "perturbed"), quantization="flashrl_int8", **kw)
+    out["equals_fresh"] = generate(fresh) == synced
+    _shutdown(fresh)
+    return out
+
+
+def main():
+    scenario, root, dst = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    sys.path.insert(0, str(Path(__file__).parent))
+    import vllm
+    from _vllm_util import engine_kwargs
+
+    result = {"tp2": tp2, "mp1": mp1}[scenario](root, vllm, engine_kwargs())
+    Path(dst).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

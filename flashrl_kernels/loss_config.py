@@ -16,7 +16,7 @@ import torch
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 TIS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 TIS_SEQUENCE_REDUCES = ("sum", "mean")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 # Names (and order) of the metrics every backend returns. Stable: renaming one is an API change.
 METRIC_NAMES = (
@@ -76,7 +76,8 @@ class LossConfig:
         mask zeroes weights outside [tis_min, tis_max] (bounds inclusive).
     tis_sequence_reduce: for sequence modes, "sum" (product of token ratios) or "mean"
         (geometric mean of token ratios).
-    loss_agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum" | "seq-mean-token-sum-norm".
+    loss_agg_mode: "token-mean" | "token-sum" | "seq-mean-token-mean" | "seq-mean-token-sum" |
+        "seq-mean-token-sum-norm". "token-sum" (verl's) is the plain sum of the per-token losses (divisor 1).
     normalizer: if set, the divisor of the aggregated loss (overrides the mode's default divisor).
     beta: weight of the k3 KL to ref_logp. entropy_coef: weight of the entropy bonus (subtracted).
     """

@@ -17,7 +17,10 @@ CONFIGS = [
                   tis_sequence_reduce="mean", loss_agg_mode="seq-mean-token-mean", dual_clip=3.0),
     fk.LossConfig(importance_sampling_level="sequence_token", tis_mode="token_mask", tis_min=0.8, tis_max=1.2,
                   loss_agg_mode="seq-mean-token-sum", beta=0.1),
+    fk.LossConfig(importance_sampling_level="sequence", tis_mode="token_truncate", tis_max=1.5,
+                  loss_agg_mode="token-sum", beta=0.02, entropy_coef=0.01, dual_clip=2.0),
 ]
+IDS = ["token-tis", "gspo-seqtis", "gspo-token", "gspo-token-sum"]
 
 
 def _check(inp, cfg, *, atol_loss=2e-5, atol_grad=2e-6, rtol_grad=1e-5):
@@ -32,7 +35,7 @@ def _check(inp, cfg, *, atol_loss=2e-5, atol_grad=2e-6, rtol_grad=1e-5):
 
 
 @needs_native
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["token-tis", "gspo-seqtis", "gspo-token"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("packed", [False, True])
 def test_long_sequences_and_several_blocks_vs_spec(cfg, packed):
     # T = 1100: two full 512-token tiles and a 76-token tail (not a multiple of the vector width);
@@ -53,7 +56,7 @@ def test_mixed_input_dtypes_vs_spec(cfg):
 
 
 @needs_native
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["token-tis", "gspo-seqtis", "gspo-token"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_thread_count_does_not_change_results(cfg):
     inp = to_packed(make_inputs(b=40, t=900))
     old = torch.get_num_threads()

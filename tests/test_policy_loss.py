@@ -1,4 +1,5 @@
 """policy_loss on every backend vs the float64 spec: all config combinations, both layouts, gradients, metrics."""
+import dataclasses
 import itertools
 
 import pytest
@@ -190,6 +191,34 @@ def test_normalizer_overrides(backend):
     l2, _, _, _ = run(inp, fk.LossConfig(normalizer=37.0), backend, keys=())
     torch.testing.assert_close(l2, base * n_tok / 37.0)
     _check_against_spec(inp, fk.LossConfig(loss_agg_mode="seq-mean-token-mean", normalizer=3.0), backend, keys=())
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_token_sum_vs_spec_with_and_without_normalizer(backend, level, packed):
+    """verl's token-sum: the plain sum of the per-token losses (divisor 1) unless a normalizer is given."""
+    inp = make_inputs(b=5, t=9)
+    if packed:
+        inp = to_packed(inp)
+    cfg = fk.LossConfig(eps_low=0.2, eps_high=0.28, dual_clip=2.0, importance_sampling_level=level,
+                        tis_mode="sequence_truncate" if level == "sequence" else "token_truncate", tis_max=1.5,
+                        loss_agg_mode="token-sum", beta=0.05, entropy_coef=0.01)
+    summed = _check_against_spec(inp, cfg, backend)
+    # the same numerator as token-mean, without its division by the number of valid tokens
+    mean_cfg = dataclasses.replace(cfg, loss_agg_mode="token-mean")
+    mean, _, g_mean, ge_mean = run(inp, mean_cfg, backend)
+    n_tok = int(inp["mask"].sum()) if "mask" in inp else inp["logp"].numel()
+    torch.testing.assert_close(summed, mean * n_tok, atol=1e-5, rtol=1e-5)
+    for norm in (29.0, torch.tensor(29.0)):  # an explicit normalizer divides as for every other mode
+        loss = _check_against_spec(inp, cfg, backend, normalizer=norm)
+        torch.testing.assert_close(loss, summed / 29.0, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(loss, run(inp, mean_cfg, backend, normalizer=norm)[0], atol=1e-6, rtol=1e-5)
+    norm_cfg = dataclasses.replace(cfg, normalizer=29.0)
+    _, _, g_norm, ge_norm = run(inp, norm_cfg, backend)
+    _check_against_spec(inp, norm_cfg, backend)
+    torch.testing.assert_close(g_norm, g_mean * n_tok / 29.0, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(ge_norm, ge_mean * n_tok / 29.0, atol=1e-7, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", FAST)

@@ -42,6 +42,17 @@ def test_opcheck(backend, level, packed):
         torch.library.opcheck(torch.ops.flashrl.policy_loss_backward.default, bargs)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level,packed", [("token", True), ("sequence", False)])
+def test_opcheck_token_sum(backend, level, packed):
+    args = _op_args(level=level, agg="token-sum", packed=packed)
+    with fk.use_backend(backend):
+        torch.library.opcheck(torch.ops.flashrl.policy_loss.default, args)
+        with torch.no_grad():
+            out = torch.ops.flashrl.policy_loss(*args)
+    assert out[5].item() == 1.0  # divisor 1 without a normalizer
+
+
 def test_opcheck_without_entropy():
     args = _op_args(level="token", tis="none", agg="token-mean", ent=False)
     torch.library.opcheck(torch.ops.flashrl.policy_loss.default, args)
@@ -97,6 +108,33 @@ def test_compiled_cpu_path_matches_spec(monkeypatch):
                 torch.testing.assert_close(metrics[k].double(), e_m[k], atol=2e-5, rtol=2e-5, msg=k)
     assert not tp._compile_broken, tp._compile_broken
     assert len(tp._compiled) == before + 1
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the compiled path is the CPU torch backend")
+def test_compiled_cpu_path_token_sum_matches_spec(monkeypatch):
+    """token-sum (divisor 1, or the normalizer) through the compiled CPU path, GSPO level, padded and packed."""
+    monkeypatch.setenv("FLASHRL_TORCH_COMPILE", "1")
+    from flashrl_kernels.torch_impl import policy_loss as tp
+
+    cfg = fk.LossConfig(eps_high=0.28, dual_clip=3.0, importance_sampling_level="sequence",
+                        tis_mode="sequence_truncate", tis_max=1.5, loss_agg_mode="token-sum", beta=0.04,
+                        entropy_coef=0.01)
+    inp = make_inputs(b=5, t=11)
+    for layout in (inp, to_packed(inp)):
+        for norm in (None, 17.0):
+            loss, metrics, g, ge = run(layout, cfg, "torch", normalizer=norm)
+            e_loss, e_m, e_g, e_ge = spec(layout, cfg, normalizer=norm)
+            torch.testing.assert_close(loss.double(), e_loss, atol=2e-5, rtol=2e-5)
+            m = layout.get("mask")
+
+            def sel(x, m=m):
+                return x if m is None else x[m]
+
+            torch.testing.assert_close(sel(g).double(), sel(e_g), atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(sel(ge).double(), sel(e_ge), atol=2e-6, rtol=1e-5)
+            for k in METRIC_NAMES:
+                torch.testing.assert_close(metrics[k].double(), e_m[k], atol=2e-5, rtol=2e-5, msg=k)
+    assert not tp._compile_broken, tp._compile_broken
 
 
 # ---- bad inputs ----
@@ -207,11 +245,12 @@ def test_metrics_are_detached_tensors_without_sync():
     assert out.loss.requires_grad and out.loss.dtype == torch.float32 and out.loss.dim() == 0
 
 
-def test_compile_fullgraph_packed_with_tensor_normalizer():
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum-norm", "token-sum"])
+def test_compile_fullgraph_packed_with_tensor_normalizer(agg):
     torch._dynamo.reset()
     inp = to_packed(make_inputs(b=4, t=6))
     cfg = fk.LossConfig(importance_sampling_level="sequence_token", tis_mode="sequence_mask",
-                        tis_sequence_reduce="mean", loss_agg_mode="seq-mean-token-sum-norm", tis_max=3.0)
+                        tis_sequence_reduce="mean", loss_agg_mode=agg, tis_max=3.0)
 
     def f(logp, old, adv, cu, roll, norm):
         return fk.policy_loss(logp, old, adv, cu_seqlens=cu, rollout_logp=roll, config=cfg, normalizer=norm).loss

@@ -18,6 +18,8 @@ _TIS = {"none": 0, "token_truncate": 1, "token_mask": 2, "sequence_truncate": 3,
 def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,
                         eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta,
                         entropy_coef, divisor, uniform_len):
+    # only seq-mean-token-mean changes the token math (seq_mean: per-sequence 1/n_i); the other modes
+    # (token-mean, token-sum, seq-mean-token-sum[-norm]) differ only in the divisor that `finalize` picks
     stats, g_tok, g_ent, seq_coef = torch.ops.flashrl_native.policy_loss_forward(
         logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy,
         float(eps_low), float(eps_high), float(dual_clip), _LEVELS[level], _TIS[tis_mode], tis_reduce == "mean",

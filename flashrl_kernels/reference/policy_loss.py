@@ -134,6 +134,8 @@ def policy_loss_spec(logp, old_logp, advantages, *, mask=None, cu_seqlens=None, 
         divisor = cfg.normalizer
     elif cfg.loss_agg_mode == "token-mean":
         divisor = max(ntok, 1)
+    elif cfg.loss_agg_mode == "token-sum":  # verl's token-sum: the plain sum over all valid tokens
+        divisor = 1.0
     elif cfg.loss_agg_mode == "seq-mean-token-sum-norm":
         if cu_seqlens is not None:
             raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' with packed inputs needs a normalizer")

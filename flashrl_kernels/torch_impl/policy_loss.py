@@ -52,7 +52,12 @@ def combine_stats(rows: torch.Tensor) -> torch.Tensor:
 
 
 def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str):
-    """(loss, metrics vector, scale = 1 / divisor) from the combined statistics (no host sync)."""
+    """(loss, metrics vector, scale = 1 / divisor) from the combined statistics (no host sync).
+
+    The divisor: the tensor normalizer, else a positive `divisor` (config normalizer, or T for
+    seq-mean-token-sum-norm), else the mode's default: valid tokens (token-mean), 1 (token-sum),
+    non-empty sequences (seq-mean-*).
+    """
     st = stats.float()
     n_tok, n_seq = st[0], st[1]
     if normalizer is not None:
@@ -61,6 +66,8 @@ def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str):
         d = torch.full((), float(divisor), dtype=torch.float32, device=st.device)
     elif agg == "token-mean":
         d = n_tok.clamp(min=1.0)
+    elif agg == "token-sum":
+        d = torch.ones((), dtype=torch.float32, device=st.device)
     else:
         d = n_seq.clamp(min=1.0)
     scale = 1.0 / d

@@ -15,7 +15,7 @@ ROLLOUT_QUANTS = ("bf16", "int8", "fp8")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gfpo_length", "gfpo_token_efficiency", "gfpo_adaptive")
 LEVELS = ("token", "sequence", "sequence_token")
 TIS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 REWARD_NAMES = ("exact", "calculation")
 
 

@@ -262,7 +262,7 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
     dev = logp.device
     f32 = torch.float32
     lev, tis = _LEVELS[level], _TIS[tis_mode]
-    seq_mean = agg == "seq-mean-token-mean"
+    seq_mean = agg == "seq-mean-token-mean"  # the other modes differ only in finalize's divisor (token-sum: 1)
     has_ent = entropy is not None
     g_tok = torch.empty(n, dtype=f32, device=dev)
     g_ent = torch.empty(n if has_ent else 0, dtype=f32, device=dev)

@@ -123,6 +123,24 @@ def test_register_is_idempotent():
     assert get_quantization_config("flashrl_fp8").method_name == "flashrl_fp8"
 
 
+def test_only_the_quantizing_load_warning_is_silenced():
+    """vLLM warns on every bf16 -> int8/fp8 load by name (a flashrl loader's job); other warnings stay."""
+    import logging
+
+    register()
+    logger = logging.getLogger("vllm.model_executor.models.utils")
+
+    def kept(*args):
+        rec = logger.makeRecord(logger.name, logging.WARNING, __file__, 1,
+                                "Attempted to load weight %s with dtype %s into parameter with dtype %s", args, None)
+        return logger.filter(rec)
+
+    assert not kept("model.layers.0.mlp.down_proj.weight", torch.bfloat16, torch.int8)
+    assert not kept("model.layers.0.self_attn.o_proj.weight", torch.float32, torch.float8_e4m3fn)
+    assert kept("model.norm.weight", torch.float32, torch.bfloat16)  # a real mismatch still warns
+    assert kept("model.layers.0.mlp.down_proj.weight", torch.int32, torch.int8)
+
+
 def test_importing_the_package_does_not_import_vllm():
     code = "import sys, flashrl_kernels, flashrl_kernels.integrations.vllm; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

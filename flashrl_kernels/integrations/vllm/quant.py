@@ -36,6 +36,7 @@ load_row_parallel_weight); vocab-parallel tables quantize their row shard.
 from __future__ import annotations
 
 import json
+import logging
 import weakref
 from typing import Any
 
@@ -435,7 +436,24 @@ class FlashRLFp8Config(FlashRLQuantConfig):
     method_name = "flashrl_fp8"
 
 
+class _QuantizingLoadFilter(logging.Filter):
+    """Drops vLLM's "Attempted to load weight X with dtype bfloat16 into parameter with dtype int8" warning:
+    for a flashrl weight that is the quantizing loader's job, not a mistake (48 lines per load or sync of a
+    24-layer model, from the layers vLLM loads by name: o_proj, down_proj)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith("Attempted to load weight") and len(args) == 3
+                    and args[2] in (torch.int8, torch.float8_e4m3fn) and args[1] in _FLOAT_SOURCES)
+
+
+_FLOAT_SOURCES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def register_configs() -> None:
     register_quantization_config("flashrl_int8")(FlashRLInt8Config)
     register_quantization_config("flashrl_fp8")(FlashRLFp8Config)
     register_weight_loader_v2_supported_method(FlashRLLinearMethod)
+    logger = logging.getLogger("vllm.model_executor.models.utils")
+    if not any(isinstance(f, _QuantizingLoadFilter) for f in logger.filters):
+        logger.addFilter(_QuantizingLoadFilter())

@@ -22,7 +22,6 @@ weights untouched:
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -109,7 +108,7 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
     return index
 
 
-def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]):
+def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], check_finite: bool = True):
     """Validate every tensor (raise ValueError/TypeError naming the first bad one), then return
     (bytes a load writes, the (name, tensor) list to hand to model.load_weights).
 
@@ -132,10 +131,8 @@ def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]):
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice")
         seen.add(name)
-    if tensors:
-        bad = [tensors[i][0] for i in nonfinite_tensors([t for _, t in tensors])]
-        if bad:
-            raise ValueError(f"tensor {bad[0]!r} contains NaN or +-inf ({len(bad)} bad tensor(s): {bad[:5]})")
+    if check_finite:
+        check_finite_tensors(tensors)
     load: list[tuple[str, torch.Tensor]] = []
     for name, t in tensors:
         alias_of = index[name].alias_of
@@ -150,6 +147,14 @@ def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]):
 def validate(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> int:
     """Raise ValueError/TypeError naming the first bad tensor; return the bytes a load would write."""
     return prepare(model, tensors)[0]
+
+
+def check_finite_tensors(tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ValueError naming the first tensor that holds a NaN or +-inf."""
+    if tensors:
+        bad = [tensors[i][0] for i in nonfinite_tensors([t for _, t in tensors])]
+        if bad:
+            raise ValueError(f"tensor {bad[0]!r} contains NaN or +-inf ({len(bad)} bad tensor(s): {bad[:5]})")
 
 
 def _sum_dtype(t: torch.Tensor) -> torch.dtype:
@@ -225,23 +230,22 @@ def _two_phase_sync(llm, tensors) -> tuple[int, int]:
     """Stage in shared memory, validate on every rank, and write only if every rank agreed."""
     from .worker import stage_tensors
 
-    handle = stage_tensors(tensors)
+    check_finite_tensors(tensors)  # once here: every rank would read the same values
+    # the staging file lives with the engine object (reused by its next sync, removed with it)
+    handle, llm._flashrl_staging = stage_tensors(tensors, getattr(llm, "_flashrl_staging", None))
     try:
-        try:
-            verdicts = llm.collective_rpc("flashrl_sync_stage", args=(handle,))
-        except NotImplementedError as e:
-            raise RuntimeError(
-                "sync_weights: the engine's workers lack the flashrl sync methods, which the flashrl_quant "
-                "vLLM plugin adds in every worker process: is flashrl_kernels installed in the workers' "
-                "environment, and does VLLM_PLUGINS (if set) include flashrl_quant?") from e
-        refused = [v for v in verdicts if v]
-        if refused:
-            llm.collective_rpc("flashrl_sync_abort")
-            kind, message = refused[0]
-            raise _ERRORS.get(kind, ValueError)(message)
-        results = llm.collective_rpc("flashrl_sync_commit")
-    finally:
-        os.unlink(handle["path"])
+        verdicts = llm.collective_rpc("flashrl_sync_stage", args=(handle,))
+    except NotImplementedError as e:
+        raise RuntimeError(
+            "sync_weights: the engine's workers lack the flashrl sync methods, which the flashrl_quant "
+            "vLLM plugin adds in every worker process: is flashrl_kernels installed in the workers' "
+            "environment, and does VLLM_PLUGINS (if set) include flashrl_quant?") from e
+    refused = [v for v in verdicts if v]
+    if refused:
+        llm.collective_rpc("flashrl_sync_abort")
+        kind, message = refused[0]
+        raise _ERRORS.get(kind, ValueError)(message)
+    results = llm.collective_rpc("flashrl_sync_commit")
     return sum(int(r[0]) for r in results), int(results[0][1])
 
 

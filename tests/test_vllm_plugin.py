@@ -223,6 +223,35 @@ def test_sync_equals_fresh_engine_from_checkpoint(engines, ckpts, quant):
     check_sync_equals_fresh(engines(quant, "base", tag="sync"), engines(quant, "perturbed"), sd)
 
 
+def _verl_style_sync(worker, buckets):
+    """What verl 0.9.1's vLLM worker extension does for a model it does not treat as quantized:
+    model.load_weights per bucket of full tensors, then vLLM's process_weights_after_loading once."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model = worker.get_model()
+    with torch.no_grad():
+        for bucket in buckets:
+            model.load_weights(weights=bucket)
+    process_weights_after_loading(model, worker.model_config, next(model.parameters()).device)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_verl_weight_sync_sequence_in_place(engines, ckpts, quant):
+    """verl's sync sequence on a flashrl engine: the state of a fresh engine, nothing re-allocated."""
+    llm = engines(quant, "base", tag="verl")
+    before = engine_state(llm)
+    ids0, _ = generate(llm)
+    items = list(state_dict_of(ckpts["perturbed"]).items())
+    llm.collective_rpc(_verl_style_sync, args=([items[i:i + 5] for i in range(0, len(items), 5)],))
+    llm.reset_prefix_cache()
+    after = engine_state(llm)
+    assert {n: p for n, (_, p) in before.items()} == {n: p for n, (_, p) in after.items()}
+    fresh = engines(quant, "perturbed")
+    assert_same_state(after, engine_state(fresh))
+    ids, lps = generate(llm)
+    assert ids != ids0 and (ids, lps) == generate(fresh)
+
+
 def test_sync_into_a_plain_bf16_engine(engines, ckpts):
     """Without flashrl quantization sync_weights takes vLLM's reload path: same result as a fresh engine."""
     target = engines(None, "base", tag="sync")

@@ -134,10 +134,33 @@ def test_logprobs_from_logits_equal_verls(patched):
     torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_from_logits_equal_verls(patched, dtype):
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 3, 777, generator=g) * 4).to(dtype)
+    for name in ("entropy_from_logits", "entropy_from_logits_with_chunking"):
+        original = adapter._originals[("verl.utils.torch_functional", name)]
+        assert getattr(verl_F, name) is getattr(adapter, name)
+        flat = name.endswith("chunking")
+        x = logits.reshape(-1, 777) if flat else logits
+        a = x.clone().requires_grad_(True)
+        b = x.clone().requires_grad_(True)
+        ours = getattr(verl_F, name)(a)
+        ref = original(b, 5) if flat else original(b)
+        assert ours.dtype == ref.dtype and ours.shape == ref.shape
+        tol = 2e-2 if ref.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=tol, atol=tol)
+        up = torch.randn(ours.shape, generator=g).to(ours.dtype)
+        (ga,) = torch.autograd.grad(ours, a, up)
+        (gb,) = torch.autograd.grad(ref, b, up)
+        torch.testing.assert_close(ga.float(), gb.float(), rtol=tol, atol=tol)
+
+
 def test_patch_is_reversible_and_idempotent():
     from verl.workers.engine.fsdp import transformer_impl
 
-    before = (verl_F.logprobs_from_logits, transformer_impl.logprobs_from_logits, dict(core_algos.POLICY_LOSS_REGISTRY))
+    before = (verl_F.logprobs_from_logits, verl_F.entropy_from_logits, verl_F.entropy_from_logits_with_chunking,
+              transformer_impl.logprobs_from_logits, dict(core_algos.POLICY_LOSS_REGISTRY))
     fk.patch("verl")
     fk.patch("verl")
     assert adapter.is_patched()
@@ -147,7 +170,8 @@ def test_patch_is_reversible_and_idempotent():
     fk.unpatch("verl")
     fk.unpatch("verl")
     assert not adapter.is_patched()
-    after = (verl_F.logprobs_from_logits, transformer_impl.logprobs_from_logits, dict(core_algos.POLICY_LOSS_REGISTRY))
+    after = (verl_F.logprobs_from_logits, verl_F.entropy_from_logits, verl_F.entropy_from_logits_with_chunking,
+             transformer_impl.logprobs_from_logits, dict(core_algos.POLICY_LOSS_REGISTRY))
     assert after == before
 
 

@@ -15,7 +15,8 @@ What `patch()` does (verl >= 0.9, < 0.10; other versions are refused with a Runt
   `config.global_batch_info`, `rollout_is_weights` (TIS) applied after clipping, and verl's metric names
   (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`), computed exactly as verl does;
 - replaces `logprobs_from_logits` (in `verl.utils.torch_functional` and in every verl module that imported
-  it by name) with `flashrl_kernels.token_logprobs`.
+  it by name) with `flashrl_kernels.token_logprobs`, and `entropy_from_logits` /
+  `entropy_from_logits_with_chunking` with its entropy output (no [N, V] softmax).
 
 `unpatch()` restores every replaced object and removes the registry entries (verl has no unregister call;
 the entries are popped from `POLICY_LOSS_REGISTRY`). Both are idempotent. See docs/integrations/verl.md.
@@ -201,6 +202,27 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
     return lp.view(shape)
 
 
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    from flashrl_kernels import token_logprobs
+
+    flat = logits.reshape(-1, logits.shape[-1])
+    # the entropy does not depend on the targets; token 0 for every row
+    _, ent = token_logprobs(flat, torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device),
+                            return_entropy=True)
+    return ent.view(logits.shape[:-1])
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """verl's `entropy_from_logits` (same dtype as the logits) without its [N, V] softmax."""
+    return _entropy(logits).to(logits.dtype)
+
+
+def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+    """verl's chunked entropy (fp32 out); flashrl's kernel never holds more than a tile, so no chunks."""
+    del chunk_size
+    return _entropy(logits).float()
+
+
 # ---------------------------------------------------------------------------------------------- patch
 
 def _set(module_name: str, attr: str, value) -> None:
@@ -240,6 +262,10 @@ def _patch() -> None:
     core_algos.register_policy_loss("flashrl_gspo")(flashrl_gspo_loss)
     for module_name in _LOGPROB_MODULES:
         _set(module_name, "logprobs_from_logits", logprobs_from_logits)
+    # looked up on verl.utils.torch_functional at call time, or bound at FSDPEngine.__init__ (patch before
+    # building engines, as FLASHRL_PATCH does)
+    _set("verl.utils.torch_functional", "entropy_from_logits", entropy_from_logits)
+    _set("verl.utils.torch_functional", "entropy_from_logits_with_chunking", entropy_from_logits_with_chunking)
     _patched = True
 
 

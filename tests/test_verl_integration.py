@@ -156,10 +156,39 @@ def test_entropy_from_logits_equal_verls(patched, dtype):
         torch.testing.assert_close(ga.float(), gb.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (2, 5)), (torch.bfloat16, (9,))])
+def test_fused_linear_for_ppo_equals_verls(patched, dtype, shape):
+    """The use_fused_kernels path: hidden states + lm_head weight -> (log-probs, entropy), values and grads."""
+    from verl.utils.experimental import torch_functional as verl_exp
+
+    assert verl_exp.FusedLinearForPPO is adapter.FusedLinearForPPO
+    original = adapter._originals[("verl.utils.experimental.torch_functional", "FusedLinearForPPO")]
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(*shape, 64, generator=g).to(dtype)
+    weight = (torch.randn(1003, 64, generator=g) * 0.3).to(dtype)
+    ids = torch.randint(0, 1003, shape, generator=g)
+    outs, grads = [], []
+    for cls in (verl_exp.FusedLinearForPPO, original):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = cls(chunk_size=4)(hidden_states=h, vocab_weights=w, input_ids=ids, temperature=0.7)
+        up_lp = torch.linspace(-1, 1, lp.numel()).view(lp.shape)
+        up_ent = torch.linspace(1, -0.5, ent.numel()).view(ent.shape).to(ent.dtype)
+        grads.append(torch.autograd.grad((lp * up_lp).sum() + (ent.float() * up_ent.float()).sum(), (h, w)))
+        outs.append((lp, ent))
+    (lp1, e1), (lp0, e0) = outs
+    assert lp1.dtype == lp0.dtype == torch.float32 and e1.dtype == e0.dtype == dtype
+    tol = 3e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(lp1, lp0, rtol=tol, atol=tol)
+    torch.testing.assert_close(e1.float(), e0.float(), rtol=tol, atol=tol)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
 def test_patch_is_reversible_and_idempotent():
+    from verl.utils.experimental import torch_functional as verl_exp
     from verl.workers.engine.fsdp import transformer_impl
 
-    before = (verl_F.logprobs_from_logits, verl_F.entropy_from_logits, verl_F.entropy_from_logits_with_chunking,
+    before = (verl_exp.FusedLinearForPPO, verl_F.logprobs_from_logits, verl_F.entropy_from_logits, verl_F.entropy_from_logits_with_chunking,
               transformer_impl.logprobs_from_logits, dict(core_algos.POLICY_LOSS_REGISTRY))
     fk.patch("verl")
     fk.patch("verl")
@@ -170,7 +199,7 @@ def test_patch_is_reversible_and_idempotent():
     fk.unpatch("verl")
     fk.unpatch("verl")
     assert not adapter.is_patched()
-    after = (verl_F.logprobs_from_logits, verl_F.entropy_from_logits, verl_F.entropy_from_logits_with_chunking,
+    after = (verl_exp.FusedLinearForPPO, verl_F.logprobs_from_logits, verl_F.entropy_from_logits, verl_F.entropy_from_logits_with_chunking,
              transformer_impl.logprobs_from_logits, dict(core_algos.POLICY_LOSS_REGISTRY))
     assert after == before
 

@@ -16,7 +16,9 @@ What `patch()` does (verl >= 0.9, < 0.10; other versions are refused with a Runt
   (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`), computed exactly as verl does;
 - replaces `logprobs_from_logits` (in `verl.utils.torch_functional` and in every verl module that imported
   it by name) with `flashrl_kernels.token_logprobs`, and `entropy_from_logits` /
-  `entropy_from_logits_with_chunking` with its entropy output (no [N, V] softmax).
+  `entropy_from_logits_with_chunking` with its entropy output (no [N, V] softmax);
+- replaces `verl.utils.experimental.torch_functional.FusedLinearForPPO` (the `use_fused_kernels` path) with one
+  on `flashrl_kernels.linear_token_logprobs` (hidden states + lm_head weight, no [N, V] logits).
 
 `unpatch()` restores every replaced object and removes the registry entries (verl has no unregister call;
 the entries are popped from `POLICY_LOSS_REGISTRY`). Both are idempotent. See docs/integrations/verl.md.
@@ -223,6 +225,29 @@ def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 20
     return _entropy(logits).float()
 
 
+class FusedLinearForPPO(torch.nn.Module):
+    """verl's `FusedLinearForPPO` (hidden states + lm_head weight -> log-probs, entropy; the path of
+    `actor_rollout_ref.model.use_fused_kernels`) on `linear_token_logprobs`: no [N, V] logits in any dtype,
+    forward or backward. Same constructor and call as verl's; chunk_size / impl_backend are accepted and
+    unused. Outputs as verl's: fp32 log-probs, entropy in the hidden states' dtype."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
+        super().__init__()
+        if impl_backend not in ("torch", "liger"):
+            raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose 'torch' or 'liger'.")
+        self.chunk_size, self.impl_backend = chunk_size, impl_backend
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
+        from flashrl_kernels import linear_token_logprobs
+
+        if hidden_states.ndim not in (2, 3) or tuple(input_ids.shape) != tuple(hidden_states.shape[:-1]):
+            raise ValueError(f"hidden_states [N, H] or [B, T, H] and input_ids of its leading shape, got "
+                             f"{tuple(hidden_states.shape)} and {tuple(input_ids.shape)}")
+        logp, ent = linear_token_logprobs(hidden_states, vocab_weights, input_ids.to(torch.int64),
+                                          temperature=float(temperature), return_entropy=True)
+        return logp.float(), ent.to(hidden_states.dtype)
+
+
 # ---------------------------------------------------------------------------------------------- patch
 
 def _set(module_name: str, attr: str, value) -> None:
@@ -266,6 +291,8 @@ def _patch() -> None:
     # building engines, as FLASHRL_PATCH does)
     _set("verl.utils.torch_functional", "entropy_from_logits", entropy_from_logits)
     _set("verl.utils.torch_functional", "entropy_from_logits_with_chunking", entropy_from_logits_with_chunking)
+    # verl's model forwards import it from this module at call time
+    _set("verl.utils.experimental.torch_functional", "FusedLinearForPPO", FusedLinearForPPO)
     _patched = True
 
 

@@ -6,7 +6,9 @@ engine registry are process-global):
     python tests/verl_fsdp_scenario.py MODEL_DIR OUT_FILE CASES_JSON
 
 MODEL_DIR holds a tiny fp32 Qwen2 (flashrl_kernels.testing.build_tiny_qwen2); CASES_JSON is a list of
-{"loss": "vanilla" | "gspo", "agg": <loss_agg_mode>, "weights": bool, "rmpad": bool}. For every case it runs
+{"loss": "vanilla" | "gspo", "agg": <loss_agg_mode>, "weights": bool (rollout_is_weights in the batch),
+"rmpad": bool (use_remove_padding), "optim": "SGD" | "AdamW", "entropy_coeff": float (optional, default 0;
+non-zero makes verl compute the entropy and add it to the loss)}. For every case it runs
 verl's actor update twice on the same batch from the same checkpoint, once unpatched with verl's loss_mode
 (`vanilla` / `gspo`) and once after `flashrl_kernels.patch("verl")` with `flashrl` / `flashrl_gspo`, and
 torch.save()s to OUT_FILE, per case and run: verl's metrics, the updated weights and what the step called.
@@ -22,12 +24,19 @@ What verl needs to run on a CPU, set up here (nothing in verl or flashrl_kernels
 - a CPU platform (verl.plugin.platform ships CUDA / NPU / ROCm only; without one it falls back to
   'nvidia' and fails on the first torch.cuda call), registered as "cpu" and selected by VERL_PLATFORM=cpu;
 - the FSDP language-model engine registered for device "cpu" (verl registers it for cuda and npu only);
-- a gloo process group of world size 1 (an in-memory HashStore, no port), created before the worker
-  would create verl's "cpu:gloo,<device>:<backend>" one;
+- a gloo process group of world size 1 (an in-memory HashStore, no port), created before TrainingWorker
+  calls verl's initialize_global_process_group_ray (verl/utils/distributed.py), whose backend string
+  f"cpu:gloo,{device}:{backend}" is "cpu:gloo,cpu:gloo" on a CPU platform, which torch rejects
+  ("Duplicate device type cpu");
 - fsdp2 (`strategy="fsdp2"`): FSDP1 on the CPU fails in FSDP(..., sync_module_states=True) ("The module has
   CPU parameters or buffers when `sync_module_states=True`, which requires them to be on GPU"), so only
   fsdp2 runs here; the model in fp32 (model_dtype and mixed_precision fp32, so no autocast), attention
-  `sdpa` (verl's default flash_attention_2 is not installed on the CPU).
+  `sdpa` (verl's default flash_attention_2 is not installed on the CPU; with use_remove_padding the packed
+  micro-batch goes through sdpa with per-sequence position_ids, which transformers masks per sequence).
+
+Not covered: use_fused_kernels. verl's own FusedLinearForPPO path (impl_backend "torch") fails here before
+any comparison: `hidden_states @ vocab_weights.t()` in verl/utils/experimental/torch_functional.py:42 gets the
+fsdp2-sharded lm_head weight as a DTensor ("aten.mm.default got mixed torch.Tensor and DTensor").
 """
 from __future__ import annotations
 
@@ -37,14 +46,15 @@ import sys
 from contextlib import contextmanager
 from functools import partial
 
-os.environ.setdefault("VERL_PLATFORM", "cpu")
+os.environ["VERL_PLATFORM"] = "cpu"
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # read by verl's Worker.__init__; the store is in memory
 os.environ.setdefault("MASTER_PORT", "0")
 os.environ.pop("FLASHRL_PATCH", None)  # the run decides when verl is patched, not the environment
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # a tiny model: one thread; two spin badly on a busy 2-core box
 
-import torch  # noqa: E402
-from verl.plugin.platform import PlatformBase, PlatformRegistry  # noqa: E402
+import torch
+from verl.plugin.platform import PlatformBase, PlatformRegistry
 
 B, P, R = 8, 6, 9  # sequences, padded prompt length, padded response length
 MINI, MICRO = 4, 2  # ppo_mini_batch_size (2 optimizer steps), ppo_micro_batch_size_per_gpu (2 per step)
@@ -155,6 +165,8 @@ class PlatformCPU(PlatformBase):
 def _setup():
     from verl.plugin.platform import get_platform
 
+    torch.set_num_threads(1)
+
     assert get_platform().device_name == "cpu", get_platform()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
@@ -170,10 +182,11 @@ class _Probe:
     """What the step called: the policy-loss function verl's ppo_loss looked up, and flashrl's kernels."""
 
     def __init__(self):
-        import flashrl_kernels as fk
         from verl.workers.utils import losses
 
-        self.loss_fns, self.token_logprobs, self.policy_loss = [], 0, 0
+        import flashrl_kernels as fk
+
+        self.loss_fns, self.token_logprobs, self.entropy, self.policy_loss = [], 0, 0, 0
         self._fk, self._losses = fk, losses
         self._orig = (losses.get_policy_loss_fn, fk.token_logprobs, fk.policy_loss)
         get_fn, token_logprobs, policy_loss = self._orig
@@ -185,6 +198,7 @@ class _Probe:
 
         def counted_token_logprobs(*args, **kwargs):
             self.token_logprobs += 1
+            self.entropy += bool(kwargs.get("return_entropy", False))
             return token_logprobs(*args, **kwargs)
 
         def counted_policy_loss(*args, **kwargs):
@@ -238,12 +252,13 @@ def make_batch(model_dir):
     old = old * response_mask
     advantages = advantages * response_mask
     rollout_is_weights = (0.2 + 1.8 * torch.rand(B, R, generator=g)) * response_mask  # TIS-style, in [0.2, 2]
-    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, prompts=prompts,
-                responses=responses, response_mask=response_mask, old_log_probs=old.float(),
-                advantages=advantages.float(), rollout_is_weights=rollout_is_weights.float())
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "prompts": prompts, "responses": responses, "response_mask": response_mask,
+            "old_log_probs": old.float(), "advantages": advantages.float(),
+            "rollout_is_weights": rollout_is_weights.float()}
 
 
-def to_update_actor_input(tensors, with_weights):
+def to_update_actor_input(tensors, with_weights, calculate_entropy):
     """ray_trainer._update_actor's conversion: DataProto -> TensorDict -> no-padding, plus its non-tensor keys."""
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
@@ -252,7 +267,7 @@ def to_update_actor_input(tensors, with_weights):
     tensors = {k: v.clone() for k, v in tensors.items() if with_weights or k != "rollout_is_weights"}
     batch = DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0, "multi_turn": False})
     td = left_right_2_no_padding(batch.to_tensordict())
-    tu.assign_non_tensor(td, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+    tu.assign_non_tensor(td, calculate_entropy=calculate_entropy, distillation_use_topk=False, distillation_only=False,
                          global_batch_size=MINI, mini_batch_size=MINI, epochs=1, seed=42,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     return td
@@ -260,14 +275,15 @@ def to_update_actor_input(tensors, with_weights):
 
 # ---------------------------------------------------------------------------------------------- one run
 
-def actor_config(model_config, loss_mode, agg, rmpad, optim):
+def actor_config(model_config, loss_mode, agg, rmpad, optim, entropy_coeff):
     from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, PolicyLossConfig
 
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     cfg = FSDPActorConfig(
         strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=MICRO,
         use_dynamic_bsz=False, clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-        loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode), use_torch_compile=False, use_remove_padding=rmpad,
+        loss_agg_mode=agg, entropy_coeff=entropy_coeff, policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        use_torch_compile=False, use_remove_padding=rmpad,
         optim=FSDPOptimizerConfig(optimizer=optim, lr=LR[optim], total_training_steps=10, clip_grad=1.0),
         fsdp_config=FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", mixed_precision=fp32,
                                      use_torch_compile=False, seed=42),
@@ -285,13 +301,15 @@ def _flat_weights(engine):
 
 def run_update(model_dir, tensors, case, patched):
     """ActorRolloutRefWorker.init_model's actor part, then its update_actor (= TrainingWorker.train_mini_batch)."""
-    import flashrl_kernels as fk
-    from flashrl_kernels.integrations import verl as adapter
+    import verl
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import HFModelConfig, TrainingWorkerConfig
     from verl.workers.engine.fsdp import transformer_impl
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
+
+    import flashrl_kernels as fk
+    from flashrl_kernels.integrations import verl as adapter
 
     if patched:
         fk.patch("verl")
@@ -305,7 +323,8 @@ def run_update(model_dir, tensors, case, patched):
     rmpad = case["rmpad"]
     model_config = HFModelConfig(path=model_dir, use_remove_padding=rmpad, enable_gradient_checkpointing=False,
                                  override_config={"attn_implementation": "sdpa"})
-    cfg = actor_config(model_config, loss_mode, case["agg"], rmpad, case.get("optim", "SGD"))
+    cfg = actor_config(model_config, loss_mode, case["agg"], rmpad, case.get("optim", "SGD"),
+                       case.get("entropy_coeff", 0.0))
     worker_config = TrainingWorkerConfig(model_type="language_model", model_config=model_config,
                                          engine_config=cfg.engine, optimizer_config=cfg.optim,
                                          checkpoint_config=cfg.checkpoint)
@@ -329,17 +348,23 @@ def run_update(model_dir, tensors, case, patched):
 
     probe = _Probe()
     try:
-        out = worker.train_mini_batch(to_update_actor_input(tensors, case["weights"]))
+        # ray_trainer._update_actor: calculate_entropy = actor.calculate_entropy or entropy_coeff != 0
+        td = to_update_actor_input(tensors, case["weights"], cfg.calculate_entropy or cfg.entropy_coeff != 0)
+        out = worker.train_mini_batch(td)
     finally:
         probe.close()
+    # verl's metrics, less the timing / memory ones (perf/*, mfu); per mini-batch (= optimizer step)
     metrics = {k: [float(x) for x in (v if isinstance(v, list) else [v])]
                for k, v in tu.get(out, "metrics").items() if not k.startswith("perf/") and k != "mfu"}
     final = _flat_weights(engine)
+    entropy_fn = engine.compute_entropy_from_logits  # bound at FSDPEngine.__init__ (the rmpad path's entropy)
     del worker, engine
     fk.unpatch("verl")
-    return {"metrics": metrics, "initial": initial, "final": final, "loss_fns": probe.loss_fns,
-            "token_logprobs_calls": probe.token_logprobs, "policy_loss_calls": probe.policy_loss,
-            "patched_logprobs": patched_logprobs, "loss_mode": loss_mode, "verl_version": __import__("verl").__version__}
+    return {"metrics": metrics, "initial": initial, "final": final, "loss_mode": loss_mode,
+            "loss_fns": probe.loss_fns, "token_logprobs_calls": probe.token_logprobs,
+            "entropy_calls": probe.entropy, "policy_loss_calls": probe.policy_loss,
+            "patched_logprobs": patched_logprobs, "entropy_fn": f"{entropy_fn.__module__}.{entropy_fn.__qualname__}",
+            "verl_version": verl.__version__}
 
 
 def main(model_dir, out_file, cases_json):

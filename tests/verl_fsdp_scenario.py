@@ -299,10 +299,9 @@ def _flat_weights(engine):
     return torch.cat([params[k].detach().reshape(-1) for k in sorted(params)]).clone()
 
 
-def run_update(model_dir, tensors, case, patched):
-    """ActorRolloutRefWorker.init_model's actor part, then its update_actor (= TrainingWorker.train_mini_batch)."""
-    import verl
-    from verl.utils import tensordict_utils as tu
+def make_worker(model_dir, case, patched):
+    """ActorRolloutRefWorker.init_model's actor part: (TrainingWorker, actor config, loss mode, whether the
+    engine module sees the patched logprobs_from_logits). Also used by bench/verl_actor_step.py."""
     from verl.workers.config import HFModelConfig, TrainingWorkerConfig
     from verl.workers.engine.fsdp import transformer_impl
     from verl.workers.engine_workers import TrainingWorker
@@ -339,6 +338,17 @@ def run_update(model_dir, tensors, case, patched):
     worker = TrainingWorker(config=worker_config)
     worker.reset()
     worker.set_loss_fn(partial(ppo_loss, config=cfg))
+    return worker, cfg, loss_mode, patched_logprobs
+
+
+def run_update(model_dir, tensors, case, patched):
+    """ActorRolloutRefWorker.init_model's actor part, then its update_actor (= TrainingWorker.train_mini_batch)."""
+    import verl
+    from verl.utils import tensordict_utils as tu
+
+    import flashrl_kernels as fk
+
+    worker, cfg, loss_mode, patched_logprobs = make_worker(model_dir, case, patched)
     engine = worker.engine
     assert type(engine).__name__ == "FSDPEngineWithLMHead"
     from verl.utils.fsdp_utils import fsdp_version

@@ -51,7 +51,11 @@ _patching = False
 
 
 def _check_version() -> str:
-    import verl
+    try:
+        import verl
+    except ImportError as e:
+        raise RuntimeError(f"flashrl_kernels' verl integration needs verl (pip install 'verl{SUPPORTED_RANGE}'); "
+                           f"importing it failed: {e}") from e
     from packaging.version import Version
 
     version = getattr(verl, "__version__", "unknown")

@@ -47,6 +47,15 @@ def _cmd_info(args) -> int:
             except Exception as exc:
                 chosen = f"error: {exc}"
             print(f"  {op:<22} runs on {chosen}")
+        if dev.type == "cpu":
+            from flashrl_kernels import _cpu_gemm
+
+            for dt in (torch.bfloat16, torch.float16):
+                try:
+                    line = _cpu_gemm.describe(dt)
+                except Exception as exc:
+                    line = f"CPU {dt} GEMM: error: {exc}"
+                print(f"  {line}")
     print()
     print(fk.native_status().summary())
     return 0

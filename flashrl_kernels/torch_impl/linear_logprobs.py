@@ -30,12 +30,25 @@ supports it; on CPU torch has no bf16 x bf16 -> fp32 GEMM, so the tile is
 rounded to the input dtype, exactly as the unfused `hidden @ weight.T` is,
 unless FLASHRL_LINEAR_FP32_LOGITS=1 (then the tile GEMM runs in fp32, about
 3.5x slower on AVX512-BF16 CPUs). See docs/linear_logprobs.md.
+
+CPUs without fast bf16/fp16 GEMMs (AVX2-only x86: torch's bf16 GEMM runs at
+~1-3 GFLOP/s there; decided once per process by flashrl_kernels._cpu_gemm,
+FLASHRL_CPU_GEMM_DTYPE=auto|input|fp32): every tile GEMM, forward and
+backward, runs on fp32 copies of its operands instead. The hidden rows are
+widened once per call when one row block holds them all (else per tile), a
+vocab block of W once per block (its fp32 copy capped at
+max(tile bytes, 32 MiB) by narrowing the vocab block), the whole W once in
+the rows-outer backward (N > V, so no larger than the fp32 grad_weight
+buffer); dZ stays fp32 (no rounding to the input dtype). Logits, dZ and the
+GEMM products are then fp32; outputs and gradients keep their dtypes.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+
+from .._cpu_gemm import widen_cpu_gemm
 
 _F32_MIN = torch.finfo(torch.float32).min
 
@@ -67,6 +80,25 @@ def tile_shape(n: int, v: int, device: torch.device) -> tuple[int, int]:
         cols = min(v, max(4096, budget // max(n, 1)))
         rows = max(1, budget // cols)
     return max(1, min(rows, n)), max(1, min(cols, v))
+
+
+_WIDE_W_BYTES = 32 << 20  # cap of one widened (fp32) vocab block of W
+
+
+def gemm_plan(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, bool]:
+    """(rows, cols, widen): the tile shape and whether the tile GEMMs widen bf16/fp16 operands to fp32."""
+    n, hdim = hidden.shape
+    v = weight.shape[0]
+    rows, cols = tile_shape(n, v, hidden.device)
+    widen = widen_cpu_gemm(hidden.dtype, hidden.device)
+    if widen and not os.environ.get("FLASHRL_LINEAR_TILE"):
+        cap = max(tile_bytes(hidden.device), _WIDE_W_BYTES) // (4 * max(hdim, 1))
+        cols = max(1, min(cols, max(256, cap)))
+    return rows, cols, widen
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
 
 
 def _ranges(total: int, step: int):
@@ -143,13 +175,15 @@ def stats_loop(hidden, weight, bias, target_local, temperature, return_entropy, 
     s = torch.zeros(n, **f32)
     w = torch.zeros(n, **f32)
     zt = torch.zeros(n, **f32)
-    rows, cols = tile_shape(n, v, hidden.device)
+    rows, cols, widen = gemm_plan(hidden, weight)
+    hid = _f32(hidden) if widen and rows >= n else hidden
     tgt = target_local.long()
     for v0, v1 in _ranges(v, cols):  # vocab outer: each W block is read once
-        w_c = weight[v0:v1]
+        w_c = _f32(weight[v0:v1]) if widen else weight[v0:v1]
         b_c = bias[v0:v1] if bias is not None else None
         for n0, n1 in _ranges(n, rows):
-            z = logits_tile(hidden[n0:n1], w_c)
+            h_t = _f32(hid[n0:n1]) if widen else hid[n0:n1]
+            z = logits_tile(h_t, w_c)
             args = (z, b_c, tgt[n0:n1] - v0, temperature, return_entropy, m[n0:n1], s[n0:n1], w[n0:n1], zt[n0:n1])
             (epilogue or _fwd_epilogue_torch)(*args)
     return m, s, w, zt
@@ -190,7 +224,9 @@ def backward_loop(
     v = weight.shape[0]
     dtype, dev = hidden.dtype, hidden.device
     need_bias = need_bias and bias is not None
-    rows, cols = tile_shape(n, v, dev)
+    rows, cols, widen = gemm_plan(hidden, weight)
+    # widened: GEMM operands (hidden rows, W blocks, dZ) in fp32; dZ is never rounded to `dtype`
+    dz_dtype = torch.float32 if widen else dtype
     tgt = target_local.long()
     g_lp = grad_logp.float()
     g_h = grad_ent.float() if grad_ent is not None else None
@@ -198,11 +234,11 @@ def backward_loop(
     gb = torch.zeros(v, dtype=torch.float32, device=dev) if need_bias else None
     epi = epilogue or _bwd_epilogue_torch
 
-    def tile(n0, n1, v0, v1):
-        z = logits_tile(hidden[n0:n1], weight[v0:v1])
+    def tile(h_t, w_t, n0, n1, v0, v1):
+        z = logits_tile(h_t, w_t)
         b_c = bias[v0:v1] if bias is not None else None
         dz = epi(z, b_c, tgt[n0:n1] - v0, temperature, lse[n0:n1], ent[n0:n1], g_lp[n0:n1],
-                 None if g_h is None else g_h[n0:n1], dtype)
+                 None if g_h is None else g_h[n0:n1], dz_dtype)
         if need_bias:
             gb[v0:v1] += dz.float().sum(0)
         return dz
@@ -210,34 +246,39 @@ def backward_loop(
     if n <= v:  # vocab outer: grad_hidden spans the outer loop
         gh_acc = torch.zeros((n, hdim), dtype=acc_dtype, device=dev) if need_hidden else None
         gw = torch.empty_like(weight) if need_weight else hidden.new_empty(0)
+        hid = _f32(hidden) if widen and rows >= n else hidden
         for v0, v1 in _ranges(v, cols):
-            w_c = weight[v0:v1]
+            w_c = _f32(weight[v0:v1]) if widen else weight[v0:v1]
             single = rows >= n
             gw_acc = None
             if need_weight and not single:
                 gw_acc = torch.zeros((v1 - v0, hdim), dtype=torch.float32, device=dev)
             for n0, n1 in _ranges(n, rows):
-                dz = tile(n0, n1, v0, v1)
+                h_t = _f32(hid[n0:n1]) if widen else hid[n0:n1]
+                dz = tile(h_t, w_c, n0, n1, v0, v1)
                 if need_hidden:
                     _add_mm(gh_acc[n0:n1], dz, w_c)
                 if need_weight:
-                    if single:  # one GEMM over all rows: fp32 accumulation inside, one rounding
-                        torch.mm(dz.T, hidden[n0:n1], out=gw[v0:v1])
+                    if single and widen:  # fp32 GEMM, one rounding to the weight dtype
+                        gw[v0:v1] = torch.mm(dz.T, h_t)
+                    elif single:  # one GEMM over all rows: fp32 accumulation inside, one rounding
+                        torch.mm(dz.T, h_t, out=gw[v0:v1])
                     else:
-                        _add_mm(gw_acc, dz.T, hidden[n0:n1])
+                        _add_mm(gw_acc, dz.T, h_t)
             if gw_acc is not None:
                 gw[v0:v1] = gw_acc
         gh = (gh_acc if gh_acc.dtype == dtype else gh_acc.to(dtype)) if need_hidden else hidden.new_empty(0)
     else:  # rows outer: grad_weight spans the outer loop
         gw_acc = torch.zeros((v, hdim), dtype=acc_dtype, device=dev) if need_weight else None
         gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+        wgt = _f32(weight) if widen else weight  # V < N: no larger than the fp32 grad_weight buffer
         for n0, n1 in _ranges(n, rows):
-            h_c = hidden[n0:n1]
+            h_c = _f32(hidden[n0:n1]) if widen else hidden[n0:n1]
             gh_part = torch.zeros((n1 - n0, hdim), dtype=torch.float32, device=dev) if need_hidden else None
             for v0, v1 in _ranges(v, cols):
-                dz = tile(n0, n1, v0, v1)
+                dz = tile(h_c, wgt[v0:v1], n0, n1, v0, v1)
                 if need_hidden:
-                    _add_mm(gh_part, dz, weight[v0:v1])
+                    _add_mm(gh_part, dz, wgt[v0:v1])
                 if need_weight:
                     _add_mm(gw_acc[v0:v1], dz.T, h_c)
             if need_hidden:

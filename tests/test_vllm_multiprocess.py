@@ -80,3 +80,28 @@ def test_default_multiprocess_engine_sync_without_insecure_serialization(ckpt_ro
     assert r["n_tensors"] == 2 * 12 + 3 and r["bytes"] > 0
     assert r["changed"] and r["equals_fresh"]
     assert r["bad"] is not None and "NaN" in r["bad"] and r["unchanged_after_bad"]
+
+
+def test_staging_file_round_trip_reuse_and_removal(tmp_path, monkeypatch):
+    """The shared file sync_weights stages tensors in: exact views on the worker side, reused while large
+    enough, replaced (and the old one removed) when not, removed when closed."""
+    import torch
+
+    from flashrl_kernels.integrations.vllm.worker import open_staged, stage_tensors
+
+    monkeypatch.setenv("FLASHRL_SYNC_STAGING_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    small = [("a", torch.randn(3, 5, generator=g).bfloat16()), ("b", torch.randn(7, generator=g)),
+             ("c", torch.randn(4, 6, generator=g, dtype=torch.float64)[:, ::2])]  # a strided source
+    handle, staging = stage_tensors(small)
+    assert os.path.dirname(handle["path"]) == str(tmp_path)
+    for (n, x), (m, y) in zip(small, open_staged(handle)):
+        assert n == m and y.dtype == x.dtype and torch.equal(x, y)
+    again, same = stage_tensors(small[:2], staging)
+    assert same is staging and again["path"] == handle["path"]  # reused: no new file
+    big = [("w", torch.randn(512, 512, generator=g))]
+    handle2, staging2 = stage_tensors(big, staging)
+    assert staging2 is not staging and not os.path.exists(handle["path"])  # too small: replaced, old removed
+    assert torch.equal(open_staged(handle2)[0][1], big[0][1])
+    staging2.close()
+    assert not os.path.exists(handle2["path"])

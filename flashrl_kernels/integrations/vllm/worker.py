@@ -103,7 +103,7 @@ def open_staged(handle: dict) -> list[tuple[str, torch.Tensor]]:
     out = []
     for name, dtype_name, shape, off in handle["tensors"]:
         dtype = getattr(torch, dtype_name)
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         out.append((name, buf[off:off + n].view(dtype).view(shape)))
     return out
 

@@ -83,6 +83,22 @@ def test_compile_fullgraph(compile_backend):
     torch.testing.assert_close(e1.grad, e2.grad)
 
 
+def assert_torch_matches_spec(layout, cfg, **kw):
+    """The torch backend's loss, gradients (valid tokens) and metrics against the spec."""
+    loss, metrics, g, ge = run(layout, cfg, "torch", **kw)
+    e_loss, e_m, e_g, e_ge = spec(layout, cfg, **kw)
+    torch.testing.assert_close(loss.double(), e_loss, atol=2e-5, rtol=2e-5)
+    m = layout.get("mask")
+
+    def sel(x):
+        return x if m is None else x[m]
+
+    torch.testing.assert_close(sel(g).double(), sel(e_g), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(sel(ge).double(), sel(e_ge), atol=2e-6, rtol=1e-5)
+    for k in METRIC_NAMES:
+        torch.testing.assert_close(metrics[k].double(), e_m[k], atol=2e-5, rtol=2e-5, msg=k)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the compiled path is the CPU torch backend")
 def test_compiled_cpu_path_matches_spec(monkeypatch):
     """The torch backend on CPU compiles its token math with Inductor; it must equal the spec (padded and packed)."""
@@ -95,17 +111,7 @@ def test_compiled_cpu_path_matches_spec(monkeypatch):
     for b, t in ((4, 9), (5, 13)):  # two shapes: dynamic, one compile
         inp = make_inputs(b=b, t=t)
         for layout in (inp, to_packed(inp)):
-            loss, metrics, g, ge = run(layout, cfg, "torch")
-            e_loss, e_m, e_g, e_ge = spec(layout, cfg)
-            torch.testing.assert_close(loss.double(), e_loss, atol=2e-5, rtol=2e-5)
-            m = layout.get("mask")
-            def sel(x, m=m):
-                return x if m is None else x[m]
-
-            torch.testing.assert_close(sel(g).double(), sel(e_g), atol=2e-6, rtol=1e-5)
-            torch.testing.assert_close(sel(ge).double(), sel(e_ge), atol=2e-6, rtol=1e-5)
-            for k in METRIC_NAMES:
-                torch.testing.assert_close(metrics[k].double(), e_m[k], atol=2e-5, rtol=2e-5, msg=k)
+            assert_torch_matches_spec(layout, cfg)
     assert not tp._compile_broken, tp._compile_broken
     assert len(tp._compiled) == before + 1
 
@@ -122,18 +128,7 @@ def test_compiled_cpu_path_token_sum_matches_spec(monkeypatch):
     inp = make_inputs(b=5, t=11)
     for layout in (inp, to_packed(inp)):
         for norm in (None, 17.0):
-            loss, metrics, g, ge = run(layout, cfg, "torch", normalizer=norm)
-            e_loss, e_m, e_g, e_ge = spec(layout, cfg, normalizer=norm)
-            torch.testing.assert_close(loss.double(), e_loss, atol=2e-5, rtol=2e-5)
-            m = layout.get("mask")
-
-            def sel(x, m=m):
-                return x if m is None else x[m]
-
-            torch.testing.assert_close(sel(g).double(), sel(e_g), atol=2e-6, rtol=1e-5)
-            torch.testing.assert_close(sel(ge).double(), sel(e_ge), atol=2e-6, rtol=1e-5)
-            for k in METRIC_NAMES:
-                torch.testing.assert_close(metrics[k].double(), e_m[k], atol=2e-5, rtol=2e-5, msg=k)
+            assert_torch_matches_spec(layout, cfg, normalizer=norm)
     assert not tp._compile_broken, tp._compile_broken
 
 

@@ -38,6 +38,8 @@ METRIC_NAMES = (
     "entropy_mean",       # mean entropy over valid tokens
     "num_tokens",         # number of valid tokens
     "num_seqs",           # number of sequences with at least one valid token
+    "nll_mean",           # VAPO positive-example NLL: mean -logp over the valid tokens of positive sequences
+    "num_positive_tokens",  # valid tokens in sequences flagged positive (0 without `positive`)
 )
 
 
@@ -80,6 +82,9 @@ class LossConfig:
         "seq-mean-token-sum-norm". "token-sum" (verl's) is the plain sum of the per-token losses (divisor 1).
     normalizer: if set, the divisor of the aggregated loss (overrides the mode's default divisor).
     beta: weight of the k3 KL to ref_logp. entropy_coef: weight of the entropy bonus (subtracted).
+    nll_coef: VAPO's positive-example LM loss weight (mu, 0.1 in the paper): adds
+        nll_coef * mean(-logp) over the valid tokens of the sequences flagged by `positive`
+        (its own token mean, whatever loss_agg_mode and normalizer say; 0 when no token is positive).
     """
 
     eps_low: float = 0.2
@@ -94,9 +99,10 @@ class LossConfig:
     normalizer: float | None = None
     beta: float = 0.0
     entropy_coef: float = 0.0
+    nll_coef: float = 0.0
 
     def __post_init__(self):
-        for name in ("eps_low", "eps_high", "tis_min", "tis_max", "beta", "entropy_coef"):
+        for name in ("eps_low", "eps_high", "tis_min", "tis_max", "beta", "entropy_coef", "nll_coef"):
             _number(name, getattr(self, name))
         _number("dual_clip", self.dual_clip, allow_none=True)
         _number("normalizer", self.normalizer, allow_none=True)
@@ -116,6 +122,8 @@ class LossConfig:
             raise ValueError(f"tis_min ({self.tis_min}) must not exceed tis_max ({self.tis_max})")
         if self.tis_max <= 0.0:
             raise ValueError(f"tis_max must be > 0, got {self.tis_max}")
+        if self.nll_coef < 0.0:
+            raise ValueError(f"nll_coef must be >= 0 (it weighs an NLL term that is minimised), got {self.nll_coef}")
         if self.normalizer is not None and not self.normalizer > 0.0:
             raise ValueError(f"normalizer must be > 0, got {self.normalizer}")
 

@@ -38,7 +38,7 @@ def to_packed(inp):
     return out
 
 
-def run(inp, cfg, backend, *, normalizer=None, grad=True, keys=None):
+def run(inp, cfg, backend, *, normalizer=None, grad=True, keys=None, positive=None):
     """policy_loss on `backend`; returns (loss, metrics, grad_logp, grad_entropy)."""
     keys = ("rollout_logp", "ref_logp", "entropy") if keys is None else keys
     lp = inp["logp"].clone().requires_grad_(grad)
@@ -50,7 +50,7 @@ def run(inp, cfg, backend, *, normalizer=None, grad=True, keys=None):
         kw["cu_seqlens"] = inp["cu_seqlens"]
     with fk.use_backend(backend):
         out = fk.policy_loss(lp, inp["old_logp"], inp["advantages"], entropy=ent, config=cfg,
-                             normalizer=normalizer, **kw)
+                             normalizer=normalizer, positive=positive, **kw)
         if not grad:
             return out.loss, out.metrics, None, None
         gl, ge = torch.autograd.grad(out.loss, [lp, ent] if ent is not None else [lp], allow_unused=True) + (None,) * (
@@ -58,7 +58,7 @@ def run(inp, cfg, backend, *, normalizer=None, grad=True, keys=None):
     return out.loss, out.metrics, gl, ge
 
 
-def spec(inp, cfg, *, normalizer=None, keys=None):
+def spec(inp, cfg, *, normalizer=None, keys=None, positive=None):
     """float64 spec: (loss, metrics, grad_logp, grad_entropy), grads via autograd through the spec."""
     keys = ("rollout_logp", "ref_logp", "entropy") if keys is None else keys
     lp = inp["logp"].double().requires_grad_(True)
@@ -69,7 +69,7 @@ def spec(inp, cfg, *, normalizer=None, keys=None):
     if "cu_seqlens" in inp:
         kw["cu_seqlens"] = inp["cu_seqlens"]
     loss, metrics = policy_loss_spec(lp, inp["old_logp"], inp["advantages"], entropy=ent, config=cfg,
-                                     normalizer=normalizer, **kw)
+                                     normalizer=normalizer, positive=positive, **kw)
     grads = torch.autograd.grad(loss, [lp] + ([ent] if ent is not None else []), allow_unused=True)
     gl = grads[0] if grads[0] is not None else torch.zeros_like(lp)
     ge = None

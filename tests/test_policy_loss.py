@@ -20,9 +20,9 @@ def _eager_torch(monkeypatch):
     monkeypatch.setenv("FLASHRL_TORCH_COMPILE", "0")
 
 
-def _check_against_spec(inp, cfg, backend, *, normalizer=None, keys=None):
-    loss, metrics, gl, ge = run(inp, cfg, backend, normalizer=normalizer, keys=keys)
-    e_loss, e_metrics, e_gl, e_ge = spec(inp, cfg, normalizer=normalizer, keys=keys)
+def _check_against_spec(inp, cfg, backend, *, normalizer=None, keys=None, positive=None):
+    loss, metrics, gl, ge = run(inp, cfg, backend, normalizer=normalizer, keys=keys, positive=positive)
+    e_loss, e_metrics, e_gl, e_ge = spec(inp, cfg, normalizer=normalizer, keys=keys, positive=positive)
     mask = inp.get("mask")
     torch.testing.assert_close(loss.double(), e_loss, atol=2e-5, rtol=2e-5)
     assert_close_masked(gl, e_gl, mask, atol=2e-6)
@@ -276,3 +276,42 @@ def test_packed_batch_without_tokens(backend):
         out.loss.backward()
     assert out.loss.item() == 0.0 and x.grad.shape == (0,)
     assert out.metrics["num_seqs"] == 0 and all(torch.isfinite(v) for v in out.metrics.values())
+
+
+@pytest.mark.parametrize("backend", FAST)
+@pytest.mark.parametrize("level,agg,packed", [("token", "token-mean", False), ("sequence", "seq-mean-token-mean", True),
+                                              ("sequence_token", "token-sum", False), ("token", "token-mean", True)])
+def test_vapo_nll_term_vs_spec(backend, level, agg, packed):
+    inp = make_inputs(b=6, t=13)
+    positive = torch.tensor([True, True, False, True, False, True])  # sequence 1 is empty (make_inputs)
+    if packed:
+        inp = to_packed(inp)
+    cfg = fk.LossConfig(eps_high=0.28, importance_sampling_level=level, tis_mode="token_truncate", loss_agg_mode=agg,
+                        beta=0.02, entropy_coef=0.01, nll_coef=0.1)
+    _check_against_spec(inp, cfg, backend, positive=positive)
+    # with the normalizer overriding the PG divisor, the NLL term keeps its own token mean
+    _check_against_spec(inp, cfg, backend, positive=positive.long(), normalizer=7.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vapo_nll_term_is_the_positive_token_mean(backend):
+    inp = make_inputs(b=5, t=9)
+    positive = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0])
+    base = fk.LossConfig(loss_agg_mode="token-mean")
+    with_nll = dataclasses.replace(base, nll_coef=0.25)
+    keys = ()
+    l0, m0, g0, _ = run(inp, base, backend, keys=keys, positive=positive)
+    l1, m1, g1, _ = run(inp, with_nll, backend, keys=keys, positive=positive)
+    mask = inp["mask"]
+    pos_tok = mask & positive.bool()[:, None]
+    nll = -inp["logp"][pos_tok].double().mean()
+    torch.testing.assert_close(m1["nll_mean"].double(), nll, atol=1e-5, rtol=1e-5)
+    assert m0["nll_mean"] == m1["nll_mean"] and m1["num_positive_tokens"] == pos_tok.sum()
+    torch.testing.assert_close((l1 - l0).double(), 0.25 * nll, atol=1e-5, rtol=1e-5)
+    expected = torch.where(pos_tok, -0.25 / pos_tok.sum(), 0.0)
+    assert_close_masked(g1 - g0, expected, mask, atol=1e-6)
+    # no positive token: the term and its gradient vanish (no division by zero)
+    l2, m2, g2, _ = run(inp, with_nll, backend, keys=keys, positive=torch.zeros(5, dtype=torch.bool))
+    torch.testing.assert_close(l2, l0)
+    assert m2["nll_mean"] == 0 and m2["num_positive_tokens"] == 0
+    assert_close_masked(g2, g0, mask, atol=0.0)

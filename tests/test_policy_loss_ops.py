@@ -16,7 +16,7 @@ def _eager_torch(monkeypatch):
     monkeypatch.setenv("FLASHRL_TORCH_COMPILE", "0")
 
 
-def _op_args(level="sequence", tis="token_truncate", agg="seq-mean-token-mean", packed=False, ent=True):
+def _op_args(level="sequence", tis="token_truncate", agg="seq-mean-token-mean", packed=False, ent=True, nll=False):
     b, t = 3, 6
     logp = torch.randn(b * t) - 1
     mask = torch.rand(b * t) > 0.3
@@ -26,19 +26,22 @@ def _op_args(level="sequence", tis="token_truncate", agg="seq-mean-token-mean", 
         logp.detach() + 0.1 * torch.randn(b * t), logp.detach() + 0.1 * torch.randn(b * t),
         torch.rand(b * t, requires_grad=True) if ent else None, None,
         0.2, 0.28, 3.0, level, tis, 0.5, 2.0, "sum", agg, 0.05, 0.01 if ent else 0.0, 0.0, 0 if packed else t,
+        torch.tensor([1.0, 0.0, 1.0]) if nll else None, 0.1 if nll else 0.0,
     )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("level,packed", [("token", False), ("sequence", True), ("sequence_token", False)])
-def test_opcheck(backend, level, packed):
-    args = _op_args(level=level, packed=packed)
+@pytest.mark.parametrize("level,packed,nll", [("token", False, False), ("sequence", True, False),
+                                              ("sequence_token", False, False), ("token", True, True),
+                                              ("sequence", False, True)])
+def test_opcheck(backend, level, packed, nll):
+    args = _op_args(level=level, packed=packed, nll=nll)
     with fk.use_backend(backend):
         torch.library.opcheck(torch.ops.flashrl.policy_loss.default, args)
         with torch.no_grad():
             out = torch.ops.flashrl.policy_loss(*args)
         _, _, g_tok, g_ent, seq_coef, scale = out
-        bargs = (torch.tensor(1.3), g_tok, g_ent, seq_coef, args[3], args[4], scale, args[-1])
+        bargs = (torch.tensor(1.3), g_tok, g_ent, seq_coef, args[3], args[4], scale, args[21])
         torch.library.opcheck(torch.ops.flashrl.policy_loss_backward.default, bargs)
 
 
@@ -152,6 +155,7 @@ def _good():
     ({"normalizer": 0.0}, "normalizer"),
     ({"tis_min": -1.0}, "tis_min"),
     ({"beta": float("nan")}, "beta"),
+    ({"nll_coef": -0.1}, "nll_coef"),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -191,6 +195,13 @@ def test_missing_inputs_for_config():
         fk.policy_loss(logp, old, adv, mask=mask, config=fk.LossConfig(beta=0.1))
     with pytest.raises(ValueError, match="entropy"):
         fk.policy_loss(logp, old, adv, mask=mask, config=fk.LossConfig(entropy_coef=0.1))
+    with pytest.raises(ValueError, match="nll_coef=0.1 needs positive"):
+        fk.policy_loss(logp, old, adv, mask=mask, config=fk.LossConfig(nll_coef=0.1))
+    with pytest.raises(ValueError, match="one flag per sequence"):
+        fk.policy_loss(logp, old, adv, mask=mask, config=fk.LossConfig(nll_coef=0.1),
+                       positive=torch.ones(logp.shape[0] + 1))
+    with pytest.raises(TypeError, match="positive"):
+        fk.policy_loss(logp, old, adv, mask=mask, config=fk.LossConfig(nll_coef=0.1), positive=[1, 0])
 
 
 def test_bad_cu_seqlens():

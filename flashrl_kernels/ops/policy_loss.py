@@ -42,29 +42,30 @@ def _policy_loss_op(
     rollout_logp: Tensor | None, ref_logp: Tensor | None, entropy: Tensor | None, normalizer: Tensor | None,
     eps_low: float, eps_high: float, dual_clip: float, importance_sampling_level: str, tis_mode: str,
     tis_min: float, tis_max: float, tis_sequence_reduce: str, loss_agg_mode: str, beta: float, entropy_coef: float,
-    divisor: float, uniform_len: int,
+    divisor: float, uniform_len: int, positive: Tensor | None, nll_coef: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     fwd = implementation("policy_loss_forward", logp.device)
     return fwd(
         logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,
         eps_low, eps_high, dual_clip, importance_sampling_level, tis_mode, tis_min, tis_max, tis_sequence_reduce,
-        loss_agg_mode, beta, entropy_coef, divisor, uniform_len,
+        loss_agg_mode, beta, entropy_coef, divisor, uniform_len, positive, nll_coef,
     )
 
 
 @_policy_loss_op.register_fake
 def _(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer, eps_low, eps_high,
       dual_clip, importance_sampling_level, tis_mode, tis_min, tis_max, tis_sequence_reduce, loss_agg_mode, beta,
-      entropy_coef, divisor, uniform_len):
+      entropy_coef, divisor, uniform_len, positive, nll_coef):
     f32 = torch.float32
     n = logp.shape[0]
     nseq = cu_seqlens.shape[0] - 1
+    has_seq = importance_sampling_level == "sequence" or (positive is not None and nll_coef != 0.0)
     return (
         logp.new_empty((), dtype=f32),
         logp.new_empty((len(METRIC_NAMES),), dtype=f32),
         logp.new_empty((n,), dtype=f32),
         logp.new_empty((n if entropy is not None else 0,), dtype=f32),
-        logp.new_empty((nseq if importance_sampling_level == "sequence" else 0,), dtype=f32),
+        logp.new_empty((nseq if has_seq else 0,), dtype=f32),
         logp.new_empty((), dtype=f32),
     )
 
@@ -103,7 +104,7 @@ def _backward(ctx, grad_loss, *_unused):
         grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, ctx.uniform_len
     )
     grad_ent = None if ctx.ent_dtype is None else grad_ent.to(ctx.ent_dtype)
-    return (grad_logp.to(ctx.logp_dtype), None, None, None, None, None, None, grad_ent) + (None,) * 14
+    return (grad_logp.to(ctx.logp_dtype), None, None, None, None, None, None, grad_ent) + (None,) * 16
 
 
 torch.library.register_autograd("flashrl::policy_loss", _backward, setup_context=_setup_context)
@@ -185,6 +186,19 @@ def _canonical(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_l
             flat(ref_logp), flat(entropy), uniform_len)
 
 
+def _positive_flags(positive, nseq, device):
+    """The per-sequence `positive` flags as fp32 0/1 [S] (None stays None)."""
+    if positive is None:
+        return None
+    check_tensor("positive", positive, dtypes=None)
+    if positive.device != device:
+        raise ValueError(f"positive is on {positive.device} but logp is on {device}")
+    if positive.numel() != nseq or positive.dim() > 2 or (positive.dim() == 2 and positive.shape[1] != 1):
+        raise ValueError(f"positive must hold one flag per sequence, shape [{nseq}] (or [{nseq}, 1]), "
+                         f"got {tuple(positive.shape)}")
+    return positive.reshape(nseq).ne(0).to(torch.float32)
+
+
 def _check_cu_seqlens(cu, n):
     """Packed layout only, before the op (the kernels index with it): one host sync."""
     flags = torch.stack([cu[0] != 0, cu[-1] != n, (cu[1:] < cu[:-1]).any()]).tolist()
@@ -224,6 +238,7 @@ def policy_loss(
     entropy: Tensor | None = None,
     config: LossConfig | None = None,
     normalizer=None,
+    positive: Tensor | None = None,
 ) -> LossOutput:
     """Clipped policy loss (PPO/GRPO/DAPO/GSPO) with TIS, KL and entropy terms; see docs/policy_loss.md.
 
@@ -231,6 +246,9 @@ def policy_loss(
     [total_tokens] with cu_seqlens [S + 1] (int32/int64, starting at 0, non-decreasing; a mask
     [total_tokens] may be given too). advantages: per sequence ([B], [B, 1] / [S]) or per token.
     normalizer (float or 0-d tensor) overrides config.normalizer and the mode's divisor for this call.
+    positive: one flag per sequence ([B] / [B, 1] padded, [S] packed; bool or numbers, nonzero = the
+    response was rewarded positively) for VAPO's NLL term, config.nll_coef; it also fills the
+    nll_mean / num_positive_tokens metrics.
     Returns LossOutput(loss, metrics): loss is a 0-d fp32 tensor, differentiable w.r.t. logp and
     entropy; metrics maps METRIC_NAMES to detached 0-d fp32 tensors (no host sync).
     """
@@ -244,6 +262,9 @@ def policy_loss(
         raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference policy's log-probabilities)")
     if cfg.entropy_coef != 0.0 and ent is None:
         raise ValueError(f"entropy_coef={cfg.entropy_coef} needs entropy")
+    pos = _positive_flags(positive, cu.numel() - 1, lp.device)
+    if cfg.nll_coef != 0.0 and pos is None:
+        raise ValueError(f"nll_coef={cfg.nll_coef} needs positive (one flag per sequence: rewarded positively or not)")
     norm_t = None
     divisor = 0.0 if cfg.normalizer is None else float(cfg.normalizer)
     if normalizer is not None:
@@ -273,7 +294,7 @@ def policy_loss(
         lp, old, adv, m, cu, roll, ref, ent, norm_t,
         float(cfg.eps_low), float(cfg.eps_high), float(cfg.dual_clip or 0.0), cfg.importance_sampling_level,
         cfg.tis_mode, float(cfg.tis_min), float(cfg.tis_max), cfg.tis_sequence_reduce, cfg.loss_agg_mode,
-        float(cfg.beta), float(cfg.entropy_coef), divisor, int(uniform_len),
+        float(cfg.beta), float(cfg.entropy_coef), divisor, int(uniform_len), pos, float(cfg.nll_coef),
     )
     if checks:
         _check_finite(loss, (("logp", lp), ("old_logp", old), ("advantages", adv), ("rollout_logp", roll),

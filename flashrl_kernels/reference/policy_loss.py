@@ -59,8 +59,11 @@ def tis_weight(log_rho, cfg: LossConfig):
 
 
 def policy_loss_spec(logp, old_logp, advantages, *, mask=None, cu_seqlens=None, rollout_logp=None, ref_logp=None,
-                     entropy=None, config: LossConfig | None = None, normalizer=None):
-    """Returns (loss, metrics) in float64; differentiable w.r.t. logp and entropy."""
+                     entropy=None, config: LossConfig | None = None, normalizer=None, positive=None):
+    """Returns (loss, metrics) in float64; differentiable w.r.t. logp and entropy.
+
+    positive: one flag per sequence (nonzero = positively rewarded), for VAPO's NLL term.
+    """
     cfg = LossConfig() if config is None else config
     nseq = logp.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     lp = _split(logp, mask, cu_seqlens, nseq)
@@ -144,6 +147,18 @@ def policy_loss_spec(logp, old_logp, advantages, *, mask=None, cu_seqlens=None, 
         divisor = max(nonempty, 1)
     loss = sum(seq_sums, torch.zeros((), dtype=torch.float64)) / divisor
 
+    # VAPO positive-example LM loss: its own token mean over the positive sequences' valid tokens
+    nll_sum, n_pos = torch.zeros((), dtype=torch.float64), 0
+    if positive is not None:
+        flags = positive.reshape(-1)
+        for i in range(nseq):
+            if bool(flags[i] != 0):
+                nll_sum = nll_sum - lp[i].sum()
+                n_pos += lp[i].numel()
+    nll_mean = nll_sum / n_pos if n_pos else torch.zeros((), dtype=torch.float64)
+    if cfg.nll_coef != 0.0:
+        loss = loss + cfg.nll_coef * nll_mean
+
     def cat(xs):
         return torch.cat([x.reshape(-1) for x in xs]) if xs else torch.zeros(0, dtype=torch.float64)
 
@@ -171,6 +186,8 @@ def policy_loss_spec(logp, old_logp, advantages, *, mask=None, cu_seqlens=None, 
         "entropy_mean": mean(cat(ents)),
         "num_tokens": float(ntok),
         "num_seqs": float(nonempty),
+        "nll_mean": float(nll_mean.detach()),
+        "num_positive_tokens": float(n_pos),
     }
     assert tuple(metrics) == METRIC_NAMES
     return loss, {k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}
@@ -188,18 +205,20 @@ def _autograd_enabled():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
-def _config(eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta, entropy_coef):
+def _config(eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta, entropy_coef,
+            nll_coef):
     return LossConfig(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip if dual_clip > 0 else None,
         importance_sampling_level=level, tis_mode=tis_mode, tis_min=tis_min, tis_max=tis_max,
-        tis_sequence_reduce=tis_reduce, loss_agg_mode=agg, beta=beta, entropy_coef=entropy_coef,
+        tis_sequence_reduce=tis_reduce, loss_agg_mode=agg, beta=beta, entropy_coef=entropy_coef, nll_coef=nll_coef,
     )
 
 
 def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,
                         eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta,
-                        entropy_coef, divisor, uniform_len):
-    cfg = _config(eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta, entropy_coef)
+                        entropy_coef, divisor, uniform_len, positive=None, nll_coef=0.0):
+    cfg = _config(eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta, entropy_coef,
+                  nll_coef)
     if normalizer is not None:
         norm = normalizer.double()
     elif divisor > 0:
@@ -214,7 +233,7 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
     with _autograd_enabled(), torch.enable_grad():
         loss, metrics = policy_loss_spec(
             lp, old_logp, advantages, mask=mask, cu_seqlens=cu_seqlens, rollout_logp=rollout_logp,
-            ref_logp=ref_logp, entropy=ent, config=cfg, normalizer=norm,
+            ref_logp=ref_logp, entropy=ent, config=cfg, normalizer=norm, positive=positive,
         )
         inputs = [lp] + ([ent] if ent is not None else [])
         grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
@@ -226,7 +245,8 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
     mvec = torch.stack([metrics[k] for k in METRIC_NAMES]).float().to(logp.device)
     one = torch.ones((), dtype=torch.float32, device=logp.device)
     nseq = cu_seqlens.numel() - 1
-    seq_coef = logp.new_zeros(nseq if level == "sequence" else 0, dtype=torch.float32)  # all of it is in g_tok
+    has_seq = level == "sequence" or (positive is not None and nll_coef != 0.0)
+    seq_coef = logp.new_zeros(nseq if has_seq else 0, dtype=torch.float32)  # all of it is in g_tok
     return loss.detach().float().to(logp.device), mvec, g_tok.float(), g_ent, seq_coef, one
 
 

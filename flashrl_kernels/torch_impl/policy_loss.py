@@ -51,12 +51,42 @@ def combine_stats(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str):
+def nll_stats(logp, mask, cu_seqlens, uniform_len, positive):
+    """VAPO's NLL term: [sum of -logp, count] over the valid tokens of positive sequences (fp32 [2]).
+
+    One read of logp, shared by every fast backend (the token kernels do not see `positive`).
+    """
+    n = logp.numel()
+    nseq = cu_seqlens.numel() - 1
+    if uniform_len > 0 and nseq * uniform_len != n:
+        uniform_len = 0
+    lp = logp.to(torch.float32)
+    if mask is not None:
+        lp = lp.masked_fill(~mask, 0.0)
+        n_i = _seq_sums(mask.to(torch.float32), cu_seqlens, uniform_len)
+    else:
+        n_i = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.float32)
+    pos = positive.to(torch.float32)
+    return torch.stack([-(_seq_sums(lp, cu_seqlens, uniform_len) * pos).sum(), (n_i * pos).sum()])
+
+
+def add_nll(seq_coef, nll, positive, nll_coef, scale):
+    """seq_coef plus the NLL term's per-sequence gradient, in units of the backward's grad_loss * scale.
+
+    d(nll_coef * nll_sum / n_pos) / d logp_t = -nll_coef / n_pos on positive valid tokens; the backward
+    multiplies seq_coef by scale = 1 / divisor, hence the division by scale here.
+    """
+    c = positive.to(torch.float32) * (-nll_coef / (nll[1].clamp(min=1.0) * scale))
+    return c if seq_coef.numel() == 0 else seq_coef + c
+
+
+def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str, nll=None, nll_coef: float = 0.0):
     """(loss, metrics vector, scale = 1 / divisor) from the combined statistics (no host sync).
 
     The divisor: the tensor normalizer, else a positive `divisor` (config normalizer, or T for
     seq-mean-token-sum-norm), else the mode's default: valid tokens (token-mean), 1 (token-sum),
-    non-empty sequences (seq-mean-*).
+    non-empty sequences (seq-mean-*). `nll` ([2] from `nll_stats`, or None) adds VAPO's NLL term,
+    weighted by nll_coef, outside the divisor.
     """
     st = stats.float()
     n_tok, n_seq = st[0], st[1]
@@ -72,11 +102,18 @@ def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str):
         d = n_seq.clamp(min=1.0)
     scale = 1.0 / d
     loss = st[2] * scale
+    zero = torch.zeros((), dtype=torch.float32, device=st.device)
+    if nll is None:
+        nll_mean = n_pos = zero
+    else:
+        n_pos = nll[1]
+        nll_mean = nll[0] / n_pos.clamp(min=1.0)
+        if nll_coef != 0.0:
+            loss = loss + nll_coef * nll_mean
     inv_tok = 1.0 / n_tok.clamp(min=1.0)
     inv_seq = 1.0 / n_seq.clamp(min=1.0)
     has_tok = n_tok > 0
     has_seq = n_seq > 0
-    zero = torch.zeros((), dtype=torch.float32, device=st.device)
 
     def tok(x):
         return torch.where(has_tok, x, zero)
@@ -90,7 +127,7 @@ def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str):
         st[16] * inv_seq, seq(st[17]), seq(st[18]),
         st[9] * inv_tok, tok(st[10]), tok(st[11]),
         st[12] * inv_tok, st[13] * inv_tok, st[14] * inv_tok, st[15] * inv_tok,
-        n_tok, n_seq,
+        n_tok, n_seq, nll_mean, n_pos,
     ])
     assert metrics.numel() == len(METRIC_NAMES)
     return loss, metrics, scale
@@ -307,7 +344,7 @@ def _compiled_terms(scalars):
 
 def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,
                         eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta,
-                        entropy_coef, divisor, uniform_len):
+                        entropy_coef, divisor, uniform_len, positive=None, nll_coef=0.0):
     tensors = (logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, uniform_len)
     scalars = (eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta, entropy_coef)
     out = None
@@ -321,7 +358,17 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
     if out is None:
         out = _forward_terms(*tensors, *scalars)
     stats, g_tok, g_ent, seq_coef = out
-    loss, metrics, scale = finalize(stats, normalizer, divisor, agg)
+    return finish(stats, g_tok, g_ent, seq_coef, logp, mask, cu_seqlens, uniform_len, normalizer, divisor, agg,
+                  positive, nll_coef)
+
+
+def finish(stats, g_tok, g_ent, seq_coef, logp, mask, cu_seqlens, uniform_len, normalizer, divisor, agg, positive,
+           nll_coef):
+    """The op's outputs from a backend's statistics and coefficients (torch, native and Triton share it)."""
+    nll = None if positive is None else nll_stats(logp, mask, cu_seqlens, uniform_len, positive)
+    loss, metrics, scale = finalize(stats, normalizer, divisor, agg, nll, nll_coef)
+    if nll is not None and nll_coef != 0.0:
+        seq_coef = add_nll(seq_coef, nll, positive, nll_coef, scale)
     return loss, metrics, g_tok, g_ent, seq_coef, scale
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_impl.policy_loss import N_STATS, combine_stats, finalize
+from ..torch_impl.policy_loss import N_STATS, combine_stats, finish
 
 _LEVELS = {"token": 0, "sequence": 1, "sequence_token": 2}
 _TIS = {"none": 0, "token_truncate": 1, "token_mask": 2, "sequence_truncate": 3, "sequence_mask": 4}
@@ -256,7 +256,7 @@ def _block(n: int, nseq: int, uniform_len: int) -> tuple[int, int]:
 
 def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,
                         eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta,
-                        entropy_coef, divisor, uniform_len):
+                        entropy_coef, divisor, uniform_len, positive=None, nll_coef=0.0):
     n = logp.numel()
     nseq = cu_seqlens.numel() - 1
     dev = logp.device
@@ -281,8 +281,8 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
         TIS_MIN=float(tis_min), TIS_MAX=float(tis_max), BETA=float(beta), ENT_COEF=float(entropy_coef),
         NSTATS=N_STATS, BLOCK=block, num_warps=warps,
     )
-    loss, metrics, scale = finalize(combine_stats(stats), normalizer, divisor, agg)
-    return loss, metrics, g_tok, g_ent, seq_coef, scale
+    return finish(combine_stats(stats), g_tok, g_ent, seq_coef, logp, mask, cu_seqlens, uniform_len, normalizer,
+                  divisor, agg, positive, nll_coef)
 
 
 def policy_loss_backward(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, uniform_len):

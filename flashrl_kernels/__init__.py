@@ -9,7 +9,9 @@ from .integrations import patch, unpatch
 from .integrations import patch_from_env as _patch_from_env
 from .loss_config import LossConfig, LossOutput
 from .ops import (
+    GAEOutput,
     dequantize_rows,
+    gae,
     linear_token_logprobs,
     policy_loss,
     quantize_per_token,
@@ -18,15 +20,19 @@ from .ops import (
     scaled_linear,
     token_logprobs,
 )
+from .ops.value_loss import VALUE_METRIC_NAMES, value_loss
 
 __all__ = [
     "BACKENDS",
+    "VALUE_METRIC_NAMES",
     "BackendUnavailableError",
+    "GAEOutput",
     "GroupAdvantages",
     "LossConfig",
     "LossOutput",
     "dequantize_rows",
     "dynamic_sampling_mask",
+    "gae",
     "group_advantages",
     "linear_token_logprobs",
     "native_status",
@@ -42,6 +48,7 @@ __all__ = [
     "token_logprobs",
     "unpatch",
     "use_backend",
+    "value_loss",
 ]
 
 _patch_from_env()  # FLASHRL_PATCH=trl patches TRL at import; a no-op (nothing imported) when unset

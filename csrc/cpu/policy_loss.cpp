@@ -75,70 +75,12 @@ void merge_stats(Stats& into, const Stats& s) {
   }
 }
 
-// A float input of any of the three dtypes, read as fp32.
-struct FloatInput {
-  const void* ptr = nullptr;  // may be null for an empty tensor: `present` says whether it was given
-  at::ScalarType dtype = at::kFloat;
-  bool present = false;
-
-  explicit operator bool() const { return present; }
-
-  // this[off:off+len] as fp32, readable up to len rounded up to whole vectors: fp32 input is
-  // read in place when that stays inside the tensor, anything else is converted into `buf`
-  // (lanes past len are zero; the kernel never lets them count)
-  const float* tile(int64_t off, int64_t len, float* buf) const {
-    if (dtype == at::kFloat && len % kW == 0) return static_cast<const float*>(ptr) + off;
-    switch (dtype) {
-      case at::kFloat:
-        std::memcpy(buf, static_cast<const float*>(ptr) + off, len * sizeof(float));
-        break;
-      case at::kBFloat16:
-        at::vec::convert(static_cast<const c10::BFloat16*>(ptr) + off, buf, len);
-        break;
-      default:
-        at::vec::convert(static_cast<const c10::Half*>(ptr) + off, buf, len);
-    }
-    const int64_t padded = (len + kW - 1) / kW * kW;
-    for (int64_t i = len; i < padded; ++i) buf[i] = 0.f;
-    return buf;
-  }
-
-  float at(int64_t i) const {
-    switch (dtype) {
-      case at::kFloat:
-        return static_cast<const float*>(ptr)[i];
-      case at::kBFloat16:
-        return static_cast<float>(static_cast<const c10::BFloat16*>(ptr)[i]);
-      default:
-        return static_cast<float>(static_cast<const c10::Half*>(ptr)[i]);
-    }
-  }
-};
-
 FloatInput float_input(const at::Tensor& t, int64_t n, const char* name) {
-  const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "policy_loss: ", name,
-              " must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(t.device().is_cpu(), "policy_loss: ", name, " must be a CPU tensor");
-  TORCH_CHECK(t.is_contiguous() && t.numel() == n, "policy_loss: ", name, " must be contiguous with ", n,
-              " entries, got shape ", t.sizes());
-  return FloatInput{t.const_data_ptr(), dt, true};
+  return flashrl_native::float_input(t, n, "policy_loss", name);
 }
 
 FloatInput optional_input(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
   return t.has_value() ? float_input(*t, n, name) : FloatInput{};
-}
-
-// valid[0:padded] = 1.0 where the token counts (in the tile and not masked out), else 0.0
-void valid_tile(const bool* mask, int64_t off, int64_t len, float* dst) {
-  const int64_t padded = (len + kW - 1) / kW * kW;
-  if (mask != nullptr) {
-    const uint8_t* m = reinterpret_cast<const uint8_t*>(mask) + off;  // torch bools are bytes 0 / 1
-    for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<float>(m[i]);
-  } else {
-    for (int64_t i = 0; i < len; ++i) dst[i] = 1.f;
-  }
-  for (int64_t i = len; i < padded; ++i) dst[i] = 0.f;
 }
 
 inline Vec ones_where(const Vec& m) { return m & Vec(1.f); }  // a compare mask as 1.0 / 0.0
@@ -342,24 +284,6 @@ void sequence_forward(const Inputs& in, const Config& c, const Outputs& out, int
   merge_stats(st, row);
 }
 
-// Sequence ranges [first, last) of the parallel work items: consecutive sequences up to
-// about kBlockTokens tokens each. Depends only on cu_seqlens (deterministic results).
-std::vector<int64_t> sequence_blocks(const int64_t* cu, int64_t nseq, int64_t n) {
-  std::vector<int64_t> starts{0};
-  int64_t tokens = 0;
-  for (int64_t i = 0; i < nseq; ++i) {
-    const int64_t a = std::clamp<int64_t>(cu[i], 0, n);
-    const int64_t b = std::clamp<int64_t>(cu[i + 1], a, n);
-    tokens += b - a + 1;  // +1: a run of empty sequences still costs something
-    if (tokens >= kBlockTokens && i + 1 < nseq) {
-      starts.push_back(i + 1);
-      tokens = 0;
-    }
-  }
-  starts.push_back(nseq);
-  return starts;
-}
-
 const int64_t* check_cu(const at::Tensor& cu, const char* op) {
   TORCH_CHECK(cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.is_contiguous() && cu.numel() >= 2, op,
               ": cu_seqlens must be a contiguous int64 [S + 1] tensor (S >= 1), got ", cu.scalar_type(), " ",
@@ -432,7 +356,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_forward(
   Outputs out{g_tok.data_ptr<float>(), in.ent ? g_ent.data_ptr<float>() : nullptr,
               c.level == 1 ? seq_coef.data_ptr<float>() : nullptr};
 
-  const std::vector<int64_t> blocks = sequence_blocks(cu, nseq, n);
+  const std::vector<int64_t> blocks = sequence_blocks(cu, nseq, n, kBlockTokens);
   const int64_t nblocks = static_cast<int64_t>(blocks.size()) - 1;
   std::vector<Stats> partial(nblocks, empty_stats());
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
@@ -498,7 +422,7 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_backward(const at::Tensor& grad_l
   const float* sc = f32_vec(seq_coef, "seq_coef");
   const bool* m = check_mask(mask, n, op);
   // tokens outside every sequence (only with unchecked cu_seqlens) get g_tok * gs
-  const std::vector<int64_t> blocks = sequence_blocks(cu, nseq, n);
+  const std::vector<int64_t> blocks = sequence_blocks(cu, nseq, n, kBlockTokens);
   const int64_t first = std::clamp<int64_t>(cu[0], 0, n), last = std::clamp<int64_t>(cu[nseq], first, n);
   scaled(gt, gl, 0, first, 0.f, nullptr);
   scaled(gt, gl, last, n, 0.f, nullptr);

@@ -5,16 +5,22 @@
 // softmax math that token_logprobs and the linear epilogues share: the online
 // (max, sum 2^t, sum 2^t t) statistics of a row chunk and the per-row gradient.
 // Everything is inline: each .cpp is its own translation unit, all linked into
-// one library.
+// one library. Also the input plumbing of the loss / scan kernels: FloatInput (a float
+// tensor of any dtype read as fp32 tiles) and sequence_blocks (parallel work items).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 namespace flashrl_native {
 
@@ -248,6 +254,95 @@ inline Vec exp_vec(const Vec& x) {
 #else
   return x.exp();
 #endif
+}
+
+// A float tensor (fp32 / bf16 / fp16, fp64 where the op allows it) read as fp32.
+struct FloatInput {
+  const void* ptr = nullptr;  // may be null for an empty tensor: `present` says whether it was given
+  at::ScalarType dtype = at::kFloat;
+  bool present = false;
+
+  explicit operator bool() const { return present; }
+
+  // this[off:off+len] as fp32, readable up to len rounded up to whole vectors: fp32 input is
+  // read in place when that stays inside the tensor, anything else is converted into `buf`
+  // (lanes past len are zero; the kernels never let them count)
+  const float* tile(int64_t off, int64_t len, float* buf) const {
+    if (dtype == at::kFloat && len % kW == 0) return static_cast<const float*>(ptr) + off;
+    switch (dtype) {
+      case at::kFloat:
+        std::memcpy(buf, static_cast<const float*>(ptr) + off, len * sizeof(float));
+        break;
+      case at::kBFloat16:
+        at::vec::convert(static_cast<const c10::BFloat16*>(ptr) + off, buf, len);
+        break;
+      case at::kHalf:
+        at::vec::convert(static_cast<const c10::Half*>(ptr) + off, buf, len);
+        break;
+      default:
+        at::vec::convert(static_cast<const double*>(ptr) + off, buf, len);
+    }
+    const int64_t padded = (len + kW - 1) / kW * kW;
+    for (int64_t i = len; i < padded; ++i) buf[i] = 0.f;
+    return buf;
+  }
+
+  float at(int64_t i) const {
+    switch (dtype) {
+      case at::kFloat:
+        return static_cast<const float*>(ptr)[i];
+      case at::kBFloat16:
+        return static_cast<float>(static_cast<const c10::BFloat16*>(ptr)[i]);
+      case at::kHalf:
+        return static_cast<float>(static_cast<const c10::Half*>(ptr)[i]);
+      default:
+        return static_cast<float>(static_cast<const double*>(ptr)[i]);
+    }
+  }
+};
+
+// Checks `t` (contiguous CPU, n entries, a float dtype) and wraps it; `op` and `name` go into the error.
+inline FloatInput float_input(const at::Tensor& t, int64_t n, const char* op, const char* name,
+                              bool allow_double = false) {
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf || (allow_double && dt == at::kDouble),
+              op, ": ", name, " must be float32, bfloat16 or float16", allow_double ? " or float64" : "", ", got ",
+              dt);
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous() && t.numel() == n, op, ": ", name, " must be contiguous with ", n,
+              " entries, got shape ", t.sizes());
+  return FloatInput{t.const_data_ptr(), dt, true};
+}
+
+// valid[0:padded] = 1.0 where the token counts (in the tile and not masked out), else 0.0
+inline void valid_tile(const bool* mask, int64_t off, int64_t len, float* dst) {
+  const int64_t padded = (len + kW - 1) / kW * kW;
+  if (mask != nullptr) {
+    const uint8_t* m = reinterpret_cast<const uint8_t*>(mask) + off;  // torch bools are bytes 0 / 1
+    for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<float>(m[i]);
+  } else {
+    for (int64_t i = 0; i < len; ++i) dst[i] = 1.f;
+  }
+  for (int64_t i = len; i < padded; ++i) dst[i] = 0.f;
+}
+
+// Sequence ranges [starts[k], starts[k+1]) of the parallel work items: consecutive sequences up to
+// about block_tokens tokens each. Depends only on cu_seqlens, so results do not depend on the
+// thread count. cu entries are clamped into [0, n]: never an out-of-bounds range.
+inline std::vector<int64_t> sequence_blocks(const int64_t* cu, int64_t nseq, int64_t n, int64_t block_tokens) {
+  std::vector<int64_t> starts{0};
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < nseq; ++i) {
+    const int64_t a = std::clamp<int64_t>(cu[i], 0, n);
+    const int64_t b = std::clamp<int64_t>(cu[i + 1], a, n);
+    tokens += b - a + 1;  // +1: a run of empty sequences still costs something
+    if (tokens >= block_tokens && i + 1 < nseq) {
+      starts.push_back(i + 1);
+      tokens = 0;
+    }
+  }
+  starts.push_back(nseq);
+  return starts;
 }
 
 }  // namespace flashrl_native

@@ -23,13 +23,16 @@ from .. import _native
 if not _native.load():
     raise ImportError(f"flashrl native CPU kernels unavailable: {_native.native_status().reason}")
 
+from .gae import gae_forward
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 from .policy_loss import policy_loss_backward, policy_loss_forward
 from .quantize import dequantize_rows_forward, quantize_rows_forward, scaled_linear_forward
+from .value_loss import value_loss_backward, value_loss_forward
 
 __all__ = [
     "dequantize_rows_forward",
+    "gae_forward",
     "linear_logprobs_backward",
     "linear_logprobs_stats",
     "policy_loss_backward",
@@ -38,4 +41,6 @@ __all__ = [
     "scaled_linear_forward",
     "token_logprobs_backward",
     "token_logprobs_forward",
+    "value_loss_backward",
+    "value_loss_forward",
 ]

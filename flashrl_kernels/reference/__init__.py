@@ -1,11 +1,15 @@
 """float64 reference implementations: readable, slow, the executable spec."""
+from .gae import gae_forward, gae_spec
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats, linear_token_logprobs_spec
 from .logprobs import token_logprobs_backward, token_logprobs_forward, token_logprobs_spec
 from .policy_loss import policy_loss_backward, policy_loss_forward, policy_loss_spec
 from .quantize import dequantize_rows_forward, quantize_rows_forward, quantize_rows_spec, scaled_linear_forward
+from .value_loss import value_loss_backward, value_loss_forward, value_loss_spec
 
 __all__ = [
     "dequantize_rows_forward",
+    "gae_forward",
+    "gae_spec",
     "linear_logprobs_backward",
     "linear_logprobs_stats",
     "linear_token_logprobs_spec",
@@ -18,4 +22,7 @@ __all__ = [
     "token_logprobs_backward",
     "token_logprobs_forward",
     "token_logprobs_spec",
+    "value_loss_backward",
+    "value_loss_forward",
+    "value_loss_spec",
 ]

@@ -1,0 +1,223 @@
+"""torch.library ops for PPO's clipped value loss, and the public function `value_loss`.
+
+flashrl::value_loss          (values, old_values, returns, mask?, cu_seqlens, normalizer?, clip_range,
+                              loss_agg_mode, divisor, uniform_len, need_grad) -> (loss, metrics, g_tok, scale)
+flashrl::value_loss_backward (grad_loss, g_tok, scale, dtype) -> grad_values
+
+Both work on the canonical form of ops/policy_loss.py: flat token tensors [N], an optional
+bool mask [N] and int64 cu_seqlens [S+1]. Padded [B, T] inputs become N = B*T with
+cu_seqlens = T * arange(B + 1) and uniform_len = T; packed inputs keep their cu_seqlens
+and uniform_len = 0. clip_range = 0.0 in the op means "no clipping".
+
+Per valid token (v = values, o = old_values, R = returns, c = clip_range):
+    v_c = clamp(v, o - c, o + c)        (= o + clamp(v - o, -c, c); this form returns an unclipped v exactly)
+    l   = max((v - R)^2, (v_c - R)^2)   (with clipping, ties take the unclipped term; else (v - R)^2)
+    loss = 0.5 * aggregate(l) / D       (the loss_agg_mode and divisor D of policy_loss)
+The forward also returns what the backward needs: g_tok [N] fp32, d(0.5 * aggregate(l))/dv
+per token before the final 1/D (v - R where the unclipped term is taken, 0 where the
+clipped term is strictly larger, times 1/n_i for seq-mean-token-mean, 0 at masked positions),
+and scale = 1/D. The backward is one elementwise pass: grad = g_tok * grad_loss * scale,
+written in the values' dtype. need_grad=False (values needs no gradient, or grad mode is off):
+g_tok is empty and never written, which saves its 4 bytes/token.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .._backend import implementation
+from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, value_checks_enabled
+from ..loss_config import LOSS_AGG_MODES, LossOutput, _choice
+from .policy_loss import _check_cu_seqlens, _check_finite
+
+# Names (and order) of the metrics every backend returns. Stable: renaming one is an API change.
+VALUE_METRIC_NAMES = (
+    "vf_clip_frac",        # share of valid tokens where the clipped term is strictly larger (0 without clip_range)
+    "explained_variance",  # 1 - Var(R - v) / Var(R) over valid tokens (population variances); 0 when Var(R) = 0
+    "value_mean",          # mean of values over valid tokens
+    "return_mean",         # mean of returns over valid tokens
+    "value_error_mean",    # mean of (v - R)^2 over valid tokens (the unclipped squared error)
+    "num_tokens",          # number of valid tokens
+)
+
+# old_values / returns: any float dtype (GAE returns are often fp32 or fp64); values: the trainable dtypes
+ANY_FLOAT_DTYPES = FLOAT_DTYPES + (torch.float64,)
+
+
+@torch.library.custom_op("flashrl::value_loss", mutates_args=())
+def _value_loss_op(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor | None, cu_seqlens: Tensor,
+    normalizer: Tensor | None, clip_range: float, loss_agg_mode: str, divisor: float, uniform_len: int,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    fwd = implementation("value_loss_forward", values.device)
+    return fwd(values, old_values, returns, mask, cu_seqlens, normalizer, clip_range, loss_agg_mode, divisor,
+               uniform_len, need_grad)
+
+
+@_value_loss_op.register_fake
+def _(values, old_values, returns, mask, cu_seqlens, normalizer, clip_range, loss_agg_mode, divisor, uniform_len,
+      need_grad):
+    f32 = torch.float32
+    return (
+        values.new_empty((), dtype=f32),
+        values.new_empty((len(VALUE_METRIC_NAMES),), dtype=f32),
+        values.new_empty((values.shape[0] if need_grad else 0,), dtype=f32),
+        values.new_empty((), dtype=f32),
+    )
+
+
+@torch.library.custom_op("flashrl::value_loss_backward", mutates_args=())
+def _value_loss_backward_op(grad_loss: Tensor, g_tok: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    bwd = implementation("value_loss_backward", g_tok.device)
+    return bwd(grad_loss, g_tok, scale, dtype)
+
+
+@_value_loss_backward_op.register_fake
+def _(grad_loss, g_tok, scale, dtype):
+    return torch.empty_like(g_tok, dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    values = inputs[0]
+    _, _, g_tok, scale = output
+    ctx.set_materialize_grads(False)  # only the loss is differentiable: no zero-filled grads for g_tok
+    ctx.save_for_backward(g_tok, scale)
+    ctx.values_dtype = values.dtype
+
+
+def _backward(ctx, grad_loss, *_unused):
+    g_tok, scale = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = torch.zeros_like(scale)
+    grad = torch.ops.flashrl.value_loss_backward(grad_loss, g_tok, scale, ctx.values_dtype)
+    return (grad,) + (None,) * 10
+
+
+torch.library.register_autograd("flashrl::value_loss", _backward, setup_context=_setup_context)
+
+
+# ---- public wrapper ----
+
+def _canonical(values, old_values, returns, mask, cu_seqlens):
+    """Checks names, dtypes, devices and shapes; returns (flat values, old, returns, mask, cu int64, uniform_len)."""
+    check_tensor("values", values, dtypes=FLOAT_DTYPES)
+    check_tensor("old_values", old_values, dtypes=ANY_FLOAT_DTYPES)
+    check_tensor("returns", returns, dtypes=ANY_FLOAT_DTYPES)
+    if mask is not None:
+        check_tensor("mask", mask)
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES)
+    check_same_device(values=values, old_values=old_values, returns=returns, mask=mask, cu_seqlens=cu_seqlens)
+    shape = tuple(values.shape)
+    for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have the shape of values {shape}, got {tuple(t.shape)}")
+    if cu_seqlens is None:
+        if values.dim() != 2:
+            raise ValueError(
+                f"padded inputs must be [B, T], got values of shape {shape}; for packed [total_tokens] inputs pass "
+                "cu_seqlens"
+            )
+        b, t = shape
+        if b == 0:
+            raise ValueError("empty batch: values has no sequences (B = 0)")
+        cu = torch.arange(b + 1, device=values.device, dtype=torch.int64) * t
+        uniform_len = t
+    else:
+        if values.dim() != 1:
+            raise ValueError(
+                f"packed inputs (cu_seqlens given) must be 1-D [total_tokens], got values of shape {shape}"
+            )
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(
+                f"cu_seqlens must be 1-D with at least 2 entries (0 and the total), got shape {tuple(cu_seqlens.shape)}"
+            )
+        cu = cu_seqlens.to(torch.int64)
+        uniform_len = 0
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask != 0
+
+    def flat(x):
+        return None if x is None else x.reshape(-1).contiguous()
+
+    return flat(values), flat(old_values), flat(returns), flat(mask), cu.contiguous(), uniform_len
+
+
+def _check_clip_range(clip_range) -> float:
+    if clip_range is None:
+        return 0.0
+    if isinstance(clip_range, bool) or not isinstance(clip_range, (int, float)):
+        raise TypeError(f"clip_range must be a Python float or None, got {type(clip_range).__name__}")
+    c = float(clip_range)
+    if not math.isfinite(c) or not c > 0.0:
+        raise ValueError(f"clip_range must be a finite number > 0 (or None for no clipping), got {clip_range}")
+    return c
+
+
+def _normalizer(normalizer, device):
+    """(tensor normalizer or None, float divisor or 0.0) from the `normalizer` argument."""
+    if normalizer is None:
+        return None, 0.0
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(normalizer.shape)}")
+        if normalizer.device != device:
+            raise ValueError(f"normalizer is on {normalizer.device} but values is on {device}")
+        return normalizer.reshape(()).to(torch.float32), 0.0
+    if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
+        raise TypeError(f"normalizer must be a float or a tensor, got {type(normalizer).__name__}")
+    if not (normalizer > 0 and math.isfinite(normalizer)):
+        raise ValueError(f"normalizer must be a finite number > 0, got {normalizer}")
+    return None, float(normalizer)
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    *,
+    mask: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    clip_range: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    normalizer=None,
+) -> LossOutput:
+    """PPO's clipped value loss (verl `compute_value_loss`, TRL PPO); see docs/value_loss.md.
+
+    values: the critic's predictions (fp32 / bf16 / fp16, differentiable); old_values: the
+    critic's predictions at rollout time; returns: the targets (any float dtype, no gradient).
+    Inputs are padded [B, T] (with an optional mask, True/nonzero = token counts) or packed
+    [total_tokens] with cu_seqlens [S + 1] (int32/int64, starting at 0, non-decreasing; a mask
+    [total_tokens] may be given too). clip_range: c > 0 clips v to old_values +- c in the second
+    term (None: plain squared error, old_values is not read). loss_agg_mode / normalizer: as in
+    `policy_loss` (seq-mean-token-sum-norm divides by the padded T; packed inputs need a normalizer).
+    The loss is 0.5 * aggregate(per-token loss); vf_coef is the caller's.
+    Returns LossOutput(loss, metrics): loss is a 0-d fp32 tensor, differentiable w.r.t. values
+    (gradient in values' dtype); metrics maps VALUE_METRIC_NAMES to detached 0-d fp32 tensors (no host sync).
+    """
+    clip = _check_clip_range(clip_range)
+    _choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    v, old, ret, m, cu, uniform_len = _canonical(values, old_values, returns, mask, cu_seqlens)
+    norm_t, divisor = _normalizer(normalizer, v.device)
+    if loss_agg_mode == "seq-mean-token-sum-norm" and norm_t is None and divisor == 0.0:
+        if cu_seqlens is not None:
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' divides by a constant; with packed inputs pass it as "
+                "normalizer (e.g. the maximum response length, times the number of sequences for verl >= 0.5)"
+            )
+        divisor = float(values.shape[1])  # the padded length, as policy_loss (and verl's loss_scale_factor default)
+    checks = value_checks_enabled()
+    if checks and cu_seqlens is not None:
+        _check_cu_seqlens(cu, v.numel())
+    need_grad = torch.is_grad_enabled() and values.requires_grad
+    loss, mvec, _, _ = torch.ops.flashrl.value_loss(
+        v, old, ret, m, cu, norm_t, clip, loss_agg_mode, divisor, int(uniform_len), need_grad
+    )
+    if checks:
+        named = [("values", v), ("returns", ret)] + ([("old_values", old)] if clip > 0.0 else [])
+        _check_finite(loss, named, m)
+    mvec = mvec.detach()
+    return LossOutput(loss, {name: mvec[i] for i, name in enumerate(VALUE_METRIC_NAMES)})

@@ -34,7 +34,8 @@ def _cmd_info(args) -> int:
         print("triton not installed")
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     ops = {"token_logprobs": "token_logprobs_forward", "linear_token_logprobs": "linear_logprobs_stats",
-           "policy_loss": "policy_loss_forward", "quantize_rows": "quantize_rows_forward"}
+           "policy_loss": "policy_loss_forward", "value_loss": "value_loss_forward", "gae": "gae_forward",
+           "quantize_rows": "quantize_rows_forward"}
     for dev in devices:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
         print(f"\n{dev.type} ({name})")
@@ -122,12 +123,13 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training options (override the config file)")
     for f in dataclasses.fields(TrainConfig):
         default = f.default
-        kind = {bool: _parse_bool, int: int, float: float, str: str}[type(default)]
         if "None" in str(f.type):
             kind = _parse_optional_float
+        else:
+            kind = {bool: _parse_bool, int: int, float: float, str: str}[type(default)]
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}", type=kind, default=None,
                            metavar="FLOAT|none" if kind is _parse_optional_float else type(default).__name__.upper(),
-                           help=f"default: {default!r}")
+                           help=f"default: {default!r}" + (" (the algo's)" if default is None else ""))
 
 
 def _parse_bool(text: str) -> bool:

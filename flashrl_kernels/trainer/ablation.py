@@ -1,12 +1,14 @@
 """`flashrl-kernels ablate`: the demo's run under several rollout/loss settings, one table.
 
 Runs (same seed, same cached warm start):
-  bf16 rollout + TIS, INT8 + TIS, INT8 without TIS, FP8 + TIS, INT8 + TIS + GFPO (shortest 4 of 8).
+  bf16 rollout + TIS, INT8 + TIS, INT8 without TIS, FP8 + TIS, INT8 + TIS + GFPO (shortest 4 of 8),
+  INT8 + TIS with value-based PPO (VC-PPO: value pretraining, decoupled GAE) and with VAPO.
 Reported per run: held-out accuracy, mean response length over the last
 steps, median rollout/trainer mismatch KL, and for GFPO the excess length
 reduction ELR = (L_grpo - L_gfpo) / (L_grpo - L_start), with L_start the
 mean length of the first rollout (the warm-started policy) and L_grpo the
-INT8 + TIS (GRPO) run's.
+INT8 + TIS (GRPO) run's; for PPO / VAPO the critic's value loss and explained
+variance over the last sixth of the steps.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ RUNS = (
     ("int8 rollout, no TIS", {"rollout_quant": "int8", "tis": "none"}),
     ("fp8 rollout, TIS", {"rollout_quant": "fp8"}),
     ("int8 rollout, TIS, GFPO", {"rollout_quant": "int8", "advantage": "gfpo_length", "gfpo_keep": 4}),
+    ("int8 rollout, TIS, PPO", {"rollout_quant": "int8", "algo": "ppo"}),
+    ("int8 rollout, TIS, VAPO", {"rollout_quant": "int8", "algo": "vapo"}),
 )
 GRPO_REFERENCE = "int8 rollout, TIS"
 
@@ -41,13 +45,16 @@ def run_ablation(base: TrainConfig, say=print) -> list[dict]:
         if base.rollout_engine == "hf" and overrides.get("rollout_quant", "bf16") != "bf16":
             say(f"[{i + 1}/{len(RUNS)}] {name}: skipped (quantized rollout needs vLLM)")
             continue
+        if base.algo != "grpo" or base.advantage != "grpo":
+            overrides = {"algo": "grpo", "advantage": "grpo", **overrides}  # each row names its own algorithm
         cfg = dataclasses.replace(base, out_dir=os.path.join(base.out_dir, f"run{i}"), **overrides)
         say(f"[{i + 1}/{len(RUNS)}] {name}")
         s = train(cfg, say=lambda *_: None)
         l_start, l_end = _lengths(cfg.out_dir, tail=max(1, cfg.steps // 6))
         rows.append({"run": name, "accuracy_start": s["accuracy_start"], "accuracy": s["accuracy_end"],
                      "length_start": l_start, "length": l_end, "mismatch_kl": s["mismatch_kl_median"],
-                     "tis_frac_clipped": s["tis_frac_clipped_median"], "wall_s": s["wall_s"], "elr": None})
+                     "tis_frac_clipped": s["tis_frac_clipped_median"], "wall_s": s["wall_s"], "elr": None,
+                     "value_loss": s.get("value_loss_end"), "explained_variance": s.get("explained_variance_end")})
     grpo = next((r for r in rows if r["run"] == GRPO_REFERENCE), None)
     for r in rows:
         if "GFPO" in r["run"] and grpo is not None:
@@ -60,13 +67,16 @@ def format_ablation(rows: list[dict]) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    headers = ["run", "acc start", "acc end", "len start", "len end", "mismatch KL", "TIS clipped", "ELR", "wall s"]
+    headers = ["run", "acc start", "acc end", "len start", "len end", "mismatch KL", "TIS clipped", "ELR",
+               "value loss", "expl var", "wall s"]
     table = [[r["run"], f(r["accuracy_start"], ".3f"), f(r["accuracy"], ".3f"), f(r["length_start"], ".2f"),
               f(r["length"], ".2f"), f(r["mismatch_kl"], ".1e"), f(r["tis_frac_clipped"], ".3f"), f(r["elr"], ".2f"),
-              f(r["wall_s"], ".0f")] for r in rows]
+              f(r.get("value_loss"), ".4f"), f(r.get("explained_variance"), ".2f"), f(r["wall_s"], ".0f")]
+             for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *table)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(str(x).ljust(w) for x, w in zip(t, widths)) for t in table]
     lines.append("ELR = (L_grpo - L_gfpo) / (L_grpo - L_start): the share of GRPO's length change GFPO takes back; "
-                 "L_start is the warm start's mean length, lengths are means over the last sixth of the steps")
+                 "L_start is the warm start's mean length, lengths are means over the last sixth of the steps; "
+                 "value loss / explained variance: the critic's (PPO, VAPO), same window")
     return "\n".join(lines)

@@ -17,6 +17,16 @@ LEVELS = ("token", "sequence", "sequence_token")
 TIS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 REWARD_NAMES = ("exact", "calculation")
+ALGOS = ("grpo", "ppo", "vapo")
+# What --algo sets when an option is left at None ("the algorithm's default"):
+#   ppo  = VC-PPO: value pretraining, decoupled GAE (policy lambda 0.95, critic lambda 1.0)
+#   vapo = VC-PPO + length-adaptive lambda (alpha 0.05) + the positive-example NLL term (mu 0.1);
+#          clip-higher, token-level loss and group sampling are the trainer's defaults for every algo
+ALGO_DEFAULTS = {
+    "grpo": {"lam": 0.95, "critic_lam": 0.95, "lam_alpha": 0.0, "nll_coef": 0.0},
+    "ppo": {"lam": 0.95, "critic_lam": 1.0, "lam_alpha": 0.0, "nll_coef": 0.0},
+    "vapo": {"lam": 0.95, "critic_lam": 1.0, "lam_alpha": 0.05, "nll_coef": 0.1},
+}
 
 
 @dataclasses.dataclass
@@ -46,6 +56,8 @@ class TrainConfig:
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 0  # 0: derived from the task
+    # algorithm: grpo (group advantages; GSPO via level) or value-based ppo / vapo (a critic and GAE)
+    algo: str = "grpo"
     # advantages and filtering
     advantage: str = "grpo"
     gfpo_keep: int = 4  # GFPO: kept per group (adaptive: for the hardest groups)
@@ -63,6 +75,16 @@ class TrainConfig:
     beta: float = 0.0
     entropy_coef: float = 0.0
     fused_logprobs: bool = False  # linear_token_logprobs from hidden states (never builds the logits)
+    # value-based PPO / VAPO (algo ppo or vapo); None = the algorithm's default (ALGO_DEFAULTS)
+    gamma: float = 1.0
+    lam: float | None = None         # GAE lambda of the advantages
+    critic_lam: float | None = None  # GAE lambda of the value targets (VC-PPO's decoupled GAE: 1.0)
+    lam_alpha: float | None = None   # VAPO length-adaptive lambda 1 - 1/(alpha * length); 0 = off
+    nll_coef: float | None = None    # VAPO positive-example NLL weight (mu)
+    whiten_advantages: bool = True
+    value_pretrain_steps: int = 20   # VC-PPO: critic-only steps on the warm-started policy's rollouts
+    value_lr: float = 1e-3
+    value_clip: float | None = 0.5   # clip range of the value loss (None: unclipped)
     # optimisation
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -72,6 +94,16 @@ class TrainConfig:
 
     def __post_init__(self):
         self.validate()
+
+    def resolved(self, name: str):
+        """Option `name`, with None replaced by the algorithm's default (the field itself stays None, so
+        dataclasses.replace(cfg, algo=...) picks up the new algorithm's defaults)."""
+        value = getattr(self, name)
+        return ALGO_DEFAULTS[self.algo][name] if value is None and name in ALGO_DEFAULTS[self.algo] else value
+
+    @property
+    def value_based(self) -> bool:
+        return self.algo in ("ppo", "vapo")
 
     def validate(self) -> None:
         def choice(name, allowed):
@@ -90,13 +122,30 @@ class TrainConfig:
         choice("level", LEVELS)
         choice("tis", TIS_MODES)
         choice("loss_agg", AGG_MODES)
+        choice("algo", ALGOS)
         choice("reward", REWARD_NAMES)
         for name in ("steps", "prompts_per_step", "group_size", "num_iterations", "minibatches", "eval_every",
                      "temperature", "lr", "warmstart_lr", "warmstart_batch", "hidden_size", "num_layers"):
             positive(name)
         for name in ("warmstart_steps", "max_new_tokens", "overlong_cache", "beta", "entropy_coef", "grad_clip",
-                     "weight_decay", "eps_low", "eps_high", "tis_min"):
+                     "weight_decay", "eps_low", "eps_high", "tis_min", "value_pretrain_steps"):
             positive(name, zero_ok=True)
+        positive("value_lr")
+        for name in ("lam_alpha", "nll_coef"):
+            if not self.resolved(name) >= 0:
+                raise ValueError(f"option {name} must be >= 0, got {self.resolved(name)}")
+        for name in ("gamma", "lam", "critic_lam"):
+            if not 0.0 <= self.resolved(name) <= 1.0:
+                raise ValueError(f"option {name} must be in [0, 1], got {self.resolved(name)}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"option value_clip must be > 0 (or None), got {self.value_clip}")
+        if self.value_based and self.advantage != "grpo":
+            raise ValueError(
+                f"option advantage={self.advantage!r} is for group advantages; algo={self.algo!r} takes its "
+                "advantages from GAE over the critic's values (leave advantage at 'grpo')"
+            )
+        if not self.value_based and self.resolved("nll_coef"):
+            raise ValueError(f"option nll_coef needs algo='vapo' (or 'ppo'), got algo={self.algo!r}")
         if self.hidden_size % 4 or self.hidden_size // 4 not in (32, 64, 80, 96, 112, 128, 256):
             raise ValueError(
                 f"option hidden_size must be 4 x a head size vLLM's CPU attention supports "

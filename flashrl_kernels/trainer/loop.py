@@ -1,15 +1,20 @@
-"""The GRPO/GSPO training loop, end to end on the package's own ops.
+"""The GRPO/GSPO and PPO/VAPO training loop, end to end on the package's own ops.
 
 One step:
   1. rollout: prompts_per_step prompts x group_size samples from the engine,
      with the engine's logprobs of the sampled tokens;
   2. rewards, group advantages (GRPO / Dr. GRPO / RLOO / GFPO), optional
-     DAPO dynamic-sampling mask and overlong penalty;
+     DAPO dynamic-sampling mask and overlong penalty; for algo ppo / vapo
+     instead the critic's values and `gae` (decoupled lambdas, VAPO's
+     length-adaptive lambda, whitening);
   3. the trainer's old-policy logprobs (no grad), optional reference logprobs;
   4. num_iterations passes of minibatch updates with policy_loss (TIS between
      rollout and trainer, clipping, the configured level and aggregation),
-     gradient clipping, AdamW;
+     gradient clipping, AdamW; ppo / vapo also update the critic with
+     `value_loss` on the same minibatch (and VAPO adds its NLL term on the
+     positively rewarded responses inside policy_loss);
   5. weight sync into the engine (timed).
+ppo / vapo first run value_pretrain_steps critic-only steps (VC-PPO).
 Held-out accuracy (greedy, trainer's weights) every eval_every steps.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import flashrl_kernels as fk
 
 from .config import TrainConfig
+from .critic import ValueModel, token_rewards, value_update
 from .data import accuracy
 from .rollout import make_rollout
 from .task import REWARDS
@@ -69,7 +75,16 @@ def loss_config(cfg: TrainConfig):
         eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
         importance_sampling_level=cfg.level, tis_mode=cfg.tis, tis_min=cfg.tis_min, tis_max=cfg.tis_max,
         loss_agg_mode=cfg.loss_agg, beta=cfg.beta, entropy_coef=cfg.entropy_coef,
+        nll_coef=float(cfg.resolved("nll_coef")),
     )
+
+
+def gae_targets(cfg: TrainConfig, rewards, values, mask):
+    """(advantages, returns) [B, W-1] by `gae`: the reward on each response's last token, V = the critic's."""
+    alpha = cfg.resolved("lam_alpha")
+    return fk.gae(token_rewards(rewards, mask), values, mask=mask, gamma=cfg.gamma, lam=cfg.resolved("lam"),
+                  critic_lam=cfg.resolved("critic_lam"), lam_alpha=alpha if alpha > 0 else None,
+                  whiten=cfg.whiten_advantages)
 
 
 def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.Tensor):
@@ -92,10 +107,10 @@ def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.T
     return adv * keep, keep
 
 
-def _save_checkpoint(path, model, opt, step, rng_state):
+def _save_checkpoint(path, model, opt, step, rng_state, extra=None):
     os.makedirs(path, exist_ok=True)
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng_state,
-             "torch_rng": torch.get_rng_state()}
+             "torch_rng": torch.get_rng_state(), **(extra or {})}
     tmp = os.path.join(path, "trainer_state.pt.tmp")
     torch.save(state, tmp)
     os.replace(tmp, os.path.join(path, "trainer_state.pt"))  # a killed save never leaves a torn checkpoint
@@ -128,31 +143,79 @@ class Trainer:
         self.loss_cfg = loss_config(cfg)
         self.engine = make_rollout(cfg, self.model, self.tokenizer, self.model_dir)
         self.history: list[dict] = []
+        self.critic = self.value_opt = None
+        self.value_pretrained = 0  # critic-only steps done (VC-PPO value pretraining)
+        if cfg.value_based:
+            self.critic = ValueModel(self.model).train()
+            self.value_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.value_lr,
+                                               weight_decay=cfg.weight_decay)
+
+    def _rollout(self, seed: int) -> dict:
+        """Sample, score and batch one step's prompts x group_size responses."""
+        cfg = self.cfg
+        problems = self.rng.sample(self.train_set, cfg.prompts_per_step)
+        t0 = time.perf_counter()
+        roll = self.engine.generate([p.prompt for p in problems], cfg.group_size, cfg.temperature,
+                                    self.max_new_tokens, seed=seed)
+        seconds = time.perf_counter() - t0
+        answers = [p.answer for p in problems for _ in range(cfg.group_size)]
+        scores = torch.tensor([self.reward_fn(t, a) for t, a in zip(roll.texts, answers)], dtype=torch.float32)
+        lengths = torch.tensor([len(c) for c in roll.completion_ids], dtype=torch.float32)
+        rewards = scores
+        if cfg.overlong_cache:
+            rewards = rewards + fk.overlong_penalty(lengths, self.max_new_tokens, cfg.overlong_cache)
+        ids, attn, targets, rollout_lp = build_batch(roll.prompt_ids, roll.completion_ids, roll.rollout_logprobs,
+                                                     self.tokenizer.pad_token_id)
+        return {"time": seconds, "scores": scores, "rewards": rewards, "lengths": lengths, "ids": ids, "attn": attn,
+                "targets": targets, "rollout_lp": rollout_lp}
+
+    def pretrain_value_step(self) -> dict:
+        """VC-PPO value pretraining: one critic-only step on the current (warm-started) policy's rollout,
+        regressed on the critic-lambda returns (Monte Carlo with the default critic_lam = 1)."""
+        cfg = self.cfg
+        r = self._rollout(seed=cfg.seed * 100003 + 50000 + self.value_pretrained)
+        mask = r["targets"] != IGNORE
+        with torch.no_grad():
+            old_values = self.critic(r["ids"], r["attn"])
+        _, returns = gae_targets(cfg, r["rewards"], old_values, mask)
+        agg: dict[str, list[float]] = {}
+        b = mask.shape[0]
+        per_mb = b // cfg.minibatches
+        for _ in range(cfg.num_iterations):
+            order = torch.randperm(b)
+            for k in range(cfg.minibatches):
+                idx = order[k * per_mb:(k + 1) * per_mb]
+                vm = value_update(self.critic, self.value_opt, r["ids"][idx], r["attn"][idx], old_values[idx],
+                                  returns[idx], mask[idx], cfg.value_clip, cfg.grad_clip)
+                for name, val in vm.items():
+                    agg.setdefault(name, []).append(val)
+        self.value_pretrained += 1
+        return {"value_pretrain_step": self.value_pretrained, **{k: sum(v) / len(v) for k, v in agg.items()}}
 
     # -- one RL step --
     def rl_step(self) -> dict:
-        cfg, tok = self.cfg, self.tokenizer
+        cfg = self.cfg
         m: dict = {"step": self.step + 1}
-        problems = self.rng.sample(self.train_set, cfg.prompts_per_step)
-
-        t0 = time.perf_counter()
-        roll = self.engine.generate([p.prompt for p in problems], cfg.group_size, cfg.temperature,
-                                    self.max_new_tokens, seed=cfg.seed * 100003 + self.step)
-        m["time_rollout"] = time.perf_counter() - t0
-
-        answers = [p.answer for p in problems for _ in range(cfg.group_size)]
-        rewards = torch.tensor([self.reward_fn(t, a) for t, a in zip(roll.texts, answers)], dtype=torch.float32)
-        lengths = torch.tensor([len(c) for c in roll.completion_ids], dtype=torch.float32)
-        if cfg.overlong_cache:
-            rewards = rewards + fk.overlong_penalty(lengths, self.max_new_tokens, cfg.overlong_cache)
-        adv, keep = compute_advantages(cfg, rewards, lengths)
+        r = self._rollout(seed=cfg.seed * 100003 + self.step)
+        m["time_rollout"] = r["time"]
+        rewards, lengths = r["rewards"], r["lengths"]
+        ids, attn, targets, rollout_lp = r["ids"], r["attn"], r["targets"], r["rollout_lp"]
+        if cfg.value_based:
+            keep = torch.ones_like(rewards, dtype=torch.bool)
+            if cfg.dynamic_sampling:
+                keep = ~fk.dynamic_sampling_mask(rewards, cfg.group_size)
+            mask = (targets != IGNORE) & keep[:, None]
+            with torch.no_grad():
+                old_values = self.critic(ids, attn)
+            adv, returns = gae_targets(cfg, rewards, old_values, mask)
+            positive = r["scores"] >= 1.0  # VAPO's positive examples: responses the verifier accepts
+        else:
+            adv, keep = compute_advantages(cfg, rewards, lengths)
+            mask = (targets != IGNORE) & keep[:, None]
+            positive = None
         m.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                  response_length=float(lengths.mean()), kept_fraction=float(keep.float().mean()),
                  rollout_tokens=int(lengths.sum()))  # generated completion tokens (EOS included) of this rollout
-
-        ids, attn, targets, rollout_lp = build_batch(roll.prompt_ids, roll.completion_ids, roll.rollout_logprobs,
-                                                     tok.pad_token_id)
-        mask = (targets != IGNORE) & keep[:, None]
 
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -178,12 +241,17 @@ class Trainer:
                 out = fk.policy_loss(
                     lp, old_lp[idx], adv[idx], mask=mask[idx], rollout_logp=rollout_lp[idx],
                     ref_logp=None if ref_lp is None else ref_lp[idx], entropy=ent, config=self.loss_cfg,
+                    positive=None if positive is None else positive[idx],
                 )
                 self.opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
                 self.opt.step()
-                for name, val in [("loss", out.loss.detach()), ("grad_norm", gnorm), *out.metrics.items()]:
+                items = [("loss", out.loss.detach()), ("grad_norm", gnorm), *out.metrics.items()]
+                if self.critic is not None:
+                    items += value_update(self.critic, self.value_opt, ids[idx], attn[idx], old_values[idx],
+                                          returns[idx], mask[idx], cfg.value_clip, cfg.grad_clip).items()
+                for name, val in items:
                     agg.setdefault(name, []).append(float(val))
         m["time_update"] = time.perf_counter() - t0
         m.update({k: sum(v) / len(v) for k, v in agg.items()})
@@ -196,12 +264,22 @@ class Trainer:
         return accuracy(self.model, self.tokenizer, self.eval_set, self.max_new_tokens)
 
     def save(self, path: str) -> None:
-        _save_checkpoint(path, self.model, self.opt, self.step, self.rng.getstate())
+        extra = {"value_pretrained": self.value_pretrained}
+        if self.critic is not None:
+            extra.update(critic=self.critic.state_dict(), value_opt=self.value_opt.state_dict())
+        _save_checkpoint(path, self.model, self.opt, self.step, self.rng.getstate(), extra)
 
     def load(self, path: str) -> None:
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError(f"checkpoint {path} has no critic (it was written by algo='grpo'); "
+                                 f"algo={self.cfg.algo!r} needs one")
+            self.critic.load_state_dict(state["critic"])
+            self.value_opt.load_state_dict(state["value_opt"])
+        self.value_pretrained = state.get("value_pretrained", 0)
         self.step = state["step"]
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])

@@ -16,6 +16,8 @@ CURVES = [
     ("mismatch_kl", "rollout/trainer mismatch KL (k3)"),
     ("tis_frac_clipped", "TIS truncated/masked fraction"),
     ("entropy_mean", "entropy"),
+    ("explained_variance", "critic explained variance (ppo / vapo)"),
+    ("value_loss", "value loss (ppo / vapo)"),
 ]
 
 
@@ -25,7 +27,7 @@ def plot(history: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    fig, axes = plt.subplots(2, 5, figsize=(20, 7))
     for ax, (key, title) in zip(axes.flat, CURVES):
         pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
         if pts:
@@ -60,6 +62,13 @@ def _median_of(steps: list[dict], key: str):
     return statistics.median(vals) if vals else None
 
 
+def _tail_mean(steps: list[dict], key: str, frac: int = 6):
+    """Mean of `key` over the last sixth of the steps (None if no step logged it)."""
+    vals = [h[key] for h in steps if h.get(key) is not None]
+    tail = vals[-max(1, len(vals) // frac):]
+    return statistics.mean(tail) if tail else None
+
+
 def rollout_tokens_per_s(steps: list[dict]):
     """Generated completion tokens / rollout wall time, both summed over the steps that logged them."""
     pairs = [(h["rollout_tokens"], h["time_rollout"]) for h in steps
@@ -92,13 +101,32 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
     say(f"warm start: {'cache hit' if trainer.warmstart_cached else 'trained'} in {trainer.warmstart_seconds:.1f}s "
         f"({trainer.model_dir})")
     say(f"rollout engine: {engine_desc}")
-    say(f"RL: {cfg.advantage} advantages, {cfg.level}-level ratios, TIS {cfg.tis}, {cfg.loss_agg}, "
-        f"{cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples")
+    if cfg.value_based:
+        alpha = cfg.resolved("lam_alpha")
+        lam = f"length-adaptive lambda (alpha {alpha})" if alpha > 0 else f"lambda {cfg.resolved('lam')}"
+        say(f"RL: {cfg.algo}, GAE with {lam}, critic lambda {cfg.resolved('critic_lam')}, "
+            f"NLL coef {cfg.resolved('nll_coef')}, {cfg.value_pretrain_steps} value-pretraining steps; "
+            f"{cfg.level}-level ratios, TIS {cfg.tis}, {cfg.loss_agg}, "
+            f"{cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples")
+    else:
+        say(f"RL: {cfg.advantage} advantages, {cfg.level}-level ratios, TIS {cfg.tis}, {cfg.loss_agg}, "
+            f"{cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples")
 
     acc_start = trainer.evaluate()
     if not resume:
         write_jsonl(log_path, {"step": 0, "eval_accuracy": acc_start})
         trainer.history.append({"step": 0, "eval_accuracy": acc_start})
+    pretrain: list[dict] = []
+    if cfg.value_based and trainer.value_pretrained < cfg.value_pretrain_steps:
+        vbar = tqdm(total=cfg.value_pretrain_steps, initial=trainer.value_pretrained, desc="value pretraining",
+                    unit="step", disable=not progress, dynamic_ncols=True)
+        while trainer.value_pretrained < cfg.value_pretrain_steps:
+            vm = trainer.pretrain_value_step()
+            pretrain.append(vm)
+            write_jsonl(log_path, vm)
+            vbar.set_postfix(value_loss=f"{vm['value_loss']:.4f}", ev=f"{vm['explained_variance']:.2f}")
+            vbar.update(1)
+        vbar.close()
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="RL", unit="step", disable=not progress, dynamic_ncols=True)
     acc = acc_start
     ckpt = os.path.join(cfg.out_dir, "checkpoint")
@@ -125,6 +153,11 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
         "time_update_s": _median_of(steps, "time_update"),
         "time_sync_s": _median_of(steps, "time_sync"),
         "rollout_tokens_per_s": rollout_tokens_per_s(steps),
+        "algo": cfg.algo,
+        "value_loss_pretrain_start": pretrain[0]["value_loss"] if pretrain else None,
+        "value_loss_pretrain_end": pretrain[-1]["value_loss"] if pretrain else None,
+        "value_loss_end": _tail_mean(steps, "value_loss"),
+        "explained_variance_end": _tail_mean(steps, "explained_variance"),
         "wall_s": time.perf_counter() - t_start,
         "engine": engine_desc,
         "log": log_path,
@@ -149,6 +182,15 @@ def format_summary(s: dict) -> str:
         ("time per step: rollout / logprob / update / sync (s, median)",
          " / ".join(f(s[k], ".3f") for k in ("time_rollout_s", "time_logprob_s", "time_update_s", "time_sync_s"))),
         ("rollout tokens/s (completion tokens / rollout time, whole run)", f(s.get("rollout_tokens_per_s"), ".1f")),
+    ]
+    if s.get("value_loss_end") is not None:
+        rows += [
+            ("value loss: pretraining start / end / last RL steps",
+             " / ".join(f(s[k], ".4f") for k in ("value_loss_pretrain_start", "value_loss_pretrain_end",
+                                                  "value_loss_end"))),
+            ("critic explained variance (last RL steps)", f(s["explained_variance_end"], ".3f")),
+        ]
+    rows += [
         ("wall time (s)", f(s["wall_s"], ".0f")),
         ("rollout engine", s["engine"]),
         ("metrics log", s["log"]),

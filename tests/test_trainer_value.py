@@ -65,6 +65,13 @@ def test_gae_targets_are_monte_carlo_returns_with_critic_lambda_one():
     torch.testing.assert_close(adv[0, 2], 1.0 - values[0, 2])
 
 
+def test_gae_targets_of_a_batch_dynamic_sampling_emptied():
+    cfg = TrainConfig(algo="vapo")  # whitens by default; an empty batch must not raise (it trains nothing)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    adv, ret = gae_targets(cfg, torch.ones(3), torch.randn(3, 5), mask)
+    assert torch.all(adv == 0) and torch.all(ret == 0)
+
+
 def test_ppo_step_trains_the_critic_and_resumes_bit_for_bit(tmp_path):
     cfg = small_cfg(tmp_path, algo="vapo", steps=2)
     straight = Trainer(cfg)

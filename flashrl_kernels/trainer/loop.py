@@ -79,12 +79,16 @@ def loss_config(cfg: TrainConfig):
     )
 
 
-def gae_targets(cfg: TrainConfig, rewards, values, mask):
-    """(advantages, returns) [B, W-1] by `gae`: the reward on each response's last token, V = the critic's."""
+def gae_targets(cfg: TrainConfig, rewards, values, mask, whiten=None):
+    """(advantages, returns) [B, W-1] by `gae`: the reward on each response's last token, V = the critic's.
+
+    Whitening needs 2 valid tokens: a batch that dynamic sampling emptied is left unwhitened (it trains nothing).
+    """
     alpha = cfg.resolved("lam_alpha")
+    whiten = cfg.whiten_advantages if whiten is None else whiten
     return fk.gae(token_rewards(rewards, mask), values, mask=mask, gamma=cfg.gamma, lam=cfg.resolved("lam"),
                   critic_lam=cfg.resolved("critic_lam"), lam_alpha=alpha if alpha > 0 else None,
-                  whiten=cfg.whiten_advantages)
+                  whiten=whiten and int(mask.sum()) >= 2)
 
 
 def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.Tensor):
@@ -177,7 +181,7 @@ class Trainer:
         mask = r["targets"] != IGNORE
         with torch.no_grad():
             old_values = self.critic(r["ids"], r["attn"])
-        _, returns = gae_targets(cfg, r["rewards"], old_values, mask)
+        _, returns = gae_targets(cfg, r["rewards"], old_values, mask, whiten=False)  # only the returns are used
         agg: dict[str, list[float]] = {}
         b = mask.shape[0]
         per_mb = b // cfg.minibatches

@@ -11,6 +11,7 @@ Two kinds:
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -136,3 +137,58 @@ def iter_row_chunks(x3: torch.Tensor, rows_per_chunk: int):
         for t0 in range(0, t, rows_per_chunk):
             t1 = min(t0 + rows_per_chunk, t)
             yield bi * t + t0, bi * t + t1, x3[bi, t0:t1]
+
+
+def sequence_layout(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    """The sequence layout of token tensor `x` (named `name` in errors): (cu_seqlens int64 [S+1], uniform_len).
+
+    Padded [B, T] (no cu_seqlens): cu = T * arange(B + 1), uniform_len = T. Packed [N] with cu_seqlens:
+    cu as int64, uniform_len = 0. The values of a packed cu_seqlens are checked by `check_cu_seqlens`.
+    """
+    shape = tuple(x.shape)
+    if cu_seqlens is None:
+        if x.dim() != 2:
+            raise ValueError(
+                f"padded inputs must be [B, T], got {name} of shape {shape}; for packed [total_tokens] inputs pass "
+                "cu_seqlens"
+            )
+        b, t = shape
+        if b == 0:
+            raise ValueError(f"empty batch: {name} has no sequences (B = 0)")
+        return torch.arange(b + 1, device=x.device, dtype=torch.int64) * t, t
+    if x.dim() != 1:
+        raise ValueError(f"packed inputs (cu_seqlens given) must be 1-D [total_tokens], got {name} of shape {shape}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with at least 2 entries (0 and the total), got shape {tuple(cu_seqlens.shape)}"
+        )
+    return cu_seqlens.to(torch.int64).contiguous(), 0
+
+
+def check_cu_seqlens(cu: torch.Tensor, n: int) -> None:
+    """Packed layout only, before an op (the kernels index with it): one host sync."""
+    flags = torch.stack([cu[0] != 0, cu[-1] != n, (cu[1:] < cu[:-1]).any()]).tolist()
+    if flags[0]:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    if flags[1]:
+        raise ValueError(f"cu_seqlens must end at the number of tokens {n}, got {int(cu[-1])}")
+    if flags[2]:
+        i = first_true(cu[1:] < cu[:-1])
+        raise ValueError(f"cu_seqlens must be non-decreasing; entry {i + 1} ({int(cu[i + 1])}) < entry {i} ({int(cu[i])})")
+
+
+def parse_normalizer(normalizer, device: torch.device, ref_name: str):
+    """(0-d fp32 tensor or None, float divisor or 0.0) from a loss's `normalizer` argument (number or 1-element tensor)."""
+    if normalizer is None:
+        return None, 0.0
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(normalizer.shape)}")
+        if normalizer.device != device:
+            raise ValueError(f"normalizer is on {normalizer.device} but {ref_name} is on {device}")
+        return normalizer.reshape(()).to(torch.float32), 0.0
+    if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
+        raise TypeError(f"normalizer must be a float or a tensor, got {type(normalizer).__name__}")
+    if not (normalizer > 0 and math.isfinite(normalizer)):
+        raise ValueError(f"normalizer must be a finite number > 0, got {normalizer}")
+    return None, float(normalizer)

@@ -258,9 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_forward(const at::Tensor& rew
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 1 && t->numel() == n, op,
                 ": rewards and values must be contiguous 1-D CPU tensors of the same length");
   }
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.dim() == 1 && cu_seqlens.is_contiguous() &&
-                  cu_seqlens.numel() >= 2 && cu_seqlens.device().is_cpu(),
-              op, ": cu_seqlens must be a contiguous int64 CPU tensor [S + 1] (S >= 1)");
+  const int64_t* cu = check_cu(cu_seqlens, op);
   const int64_t nseq = cu_seqlens.numel() - 1;
   for (const at::Tensor* t : {&lam, &critic_lam}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == nseq && t->device().is_cpu(),
@@ -273,7 +271,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_forward(const at::Tensor& rew
                 op, ": mask must be a contiguous bool CPU tensor with ", n, " entries");
     m = mask->const_data_ptr<bool>();
   }
-  const int64_t* cu = cu_seqlens.const_data_ptr<int64_t>();
   const auto f32 = rewards.options().dtype(at::kFloat);
   // tokens outside every sequence exist only with unchecked cu_seqlens: they get 0
   const bool covered = covers_all(cu, nseq, n);

@@ -284,14 +284,6 @@ void sequence_forward(const Inputs& in, const Config& c, const Outputs& out, int
   merge_stats(st, row);
 }
 
-const int64_t* check_cu(const at::Tensor& cu, const char* op) {
-  TORCH_CHECK(cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.is_contiguous() && cu.numel() >= 2, op,
-              ": cu_seqlens must be a contiguous int64 [S + 1] tensor (S >= 1), got ", cu.scalar_type(), " ",
-              cu.sizes());
-  TORCH_CHECK(cu.device().is_cpu(), op, ": cu_seqlens must be a CPU tensor");
-  return cu.const_data_ptr<int64_t>();
-}
-
 const bool* check_mask(const std::optional<at::Tensor>& mask, int64_t n, const char* op) {
   if (!mask.has_value()) return nullptr;
   TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->numel() == n &&

@@ -187,14 +187,6 @@ struct Segment {
   int64_t seq, a, b;
 };
 
-const int64_t* check_cu(const at::Tensor& cu, const char* op) {
-  TORCH_CHECK(cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.is_contiguous() && cu.numel() >= 2, op,
-              ": cu_seqlens must be a contiguous int64 [S + 1] tensor (S >= 1), got ", cu.scalar_type(), " ",
-              cu.sizes());
-  TORCH_CHECK(cu.device().is_cpu(), op, ": cu_seqlens must be a CPU tensor");
-  return cu.const_data_ptr<int64_t>();
-}
-
 std::tuple<at::Tensor, at::Tensor> value_loss_forward(const at::Tensor& values,
                                                       const std::optional<at::Tensor>& old_values,
                                                       const at::Tensor& returns, const std::optional<at::Tensor>& mask,

@@ -326,6 +326,15 @@ inline void valid_tile(const bool* mask, int64_t off, int64_t len, float* dst) {
   for (int64_t i = len; i < padded; ++i) dst[i] = 0.f;
 }
 
+// cu_seqlens as the kernels take it: contiguous int64 [S + 1] on the CPU, S >= 1.
+inline const int64_t* check_cu(const at::Tensor& cu, const char* op) {
+  TORCH_CHECK(cu.scalar_type() == at::kLong && cu.dim() == 1 && cu.is_contiguous() && cu.numel() >= 2, op,
+              ": cu_seqlens must be a contiguous int64 [S + 1] tensor (S >= 1), got ", cu.scalar_type(), " ",
+              cu.sizes());
+  TORCH_CHECK(cu.device().is_cpu(), op, ": cu_seqlens must be a CPU tensor");
+  return cu.const_data_ptr<int64_t>();
+}
+
 // Sequence ranges [starts[k], starts[k+1]) of the parallel work items: consecutive sequences up to
 // about block_tokens tokens each. Depends only on cu_seqlens, so results do not depend on the
 // thread count. cu entries are clamped into [0, n]: never an out-of-bounds range.

@@ -37,7 +37,15 @@ import torch
 from torch import Tensor
 
 from .._backend import implementation
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, first_true, value_checks_enabled
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_same_device,
+    check_tensor,
+    first_true,
+    sequence_layout,
+    value_checks_enabled,
+)
 
 
 class GAEOutput(NamedTuple):
@@ -99,27 +107,11 @@ def _canonical(rewards, values, mask, cu_seqlens):
     for name, t in (("values", values), ("mask", mask)):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have the shape of rewards {shape}, got {tuple(t.shape)}")
-    if cu_seqlens is None:
-        if rewards.dim() != 2:
-            raise ValueError(f"padded inputs must be [B, T], got rewards of shape {shape}; "
-                             "for packed [total_tokens] inputs pass cu_seqlens")
-        b, t = shape
-        if b == 0:
-            raise ValueError("empty batch: rewards has no sequences (B = 0)")
-        cu = torch.arange(b + 1, device=rewards.device, dtype=torch.int64) * t
-        uniform_len = t
-    else:
-        if rewards.dim() != 1:
-            raise ValueError(f"packed inputs (cu_seqlens given) must be 1-D [total_tokens], got rewards of shape {shape}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must be 1-D with at least 2 entries (0 and the total), got shape "
-                             f"{tuple(cu_seqlens.shape)}; an empty batch (no sequences) is not allowed")
-        cu = cu_seqlens.to(torch.int64)
-        uniform_len = 0
+    cu, uniform_len = sequence_layout("rewards", rewards, cu_seqlens)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask != 0
     flat = lambda x: None if x is None else x.detach().reshape(-1).contiguous()
-    return flat(rewards), flat(values), flat(mask), cu.contiguous(), uniform_len
+    return flat(rewards), flat(values), flat(mask), cu, uniform_len
 
 
 def valid_lengths(mask: Tensor | None, cu: Tensor, uniform_len: int) -> Tensor:

@@ -28,9 +28,12 @@ from .._backend import implementation
 from .._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_cu_seqlens,
     check_same_device,
     check_tensor,
     first_true,
+    parse_normalizer,
+    sequence_layout,
     value_checks_enabled,
 )
 from ..loss_config import METRIC_NAMES, LossConfig, LossOutput
@@ -143,46 +146,31 @@ def _canonical(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_l
     for name, t in (("old_logp", old_logp), ("rollout_logp", rollout_logp), ("ref_logp", ref_logp),
                     ("entropy", entropy), ("mask", mask)):
         _same_shape(name, t, shape)
+    cu, uniform_len = sequence_layout("logp", logp, cu_seqlens)
+    adv_shape = tuple(advantages.shape)
     if cu_seqlens is None:
-        if logp.dim() != 2:
-            raise ValueError(
-                f"padded inputs must be [B, T], got logp of shape {shape}; for packed [total_tokens] inputs pass cu_seqlens"
-            )
         b, t = shape
-        if b == 0:
-            raise ValueError("empty batch: logp has no sequences (B = 0)")
-        adv_shape = tuple(advantages.shape)
         if adv_shape in ((b,), (b, 1)):
             adv = advantages.reshape(b)
         elif adv_shape == (b, t):
             adv = advantages.reshape(-1)
         else:
             raise ValueError(f"advantages must have shape [B] = ({b},), [B, 1] or [B, T] = {shape}, got {adv_shape}")
-        cu = torch.arange(b + 1, device=logp.device, dtype=torch.int64) * t
-        uniform_len = t
     else:
-        if logp.dim() != 1:
-            raise ValueError(f"packed inputs (cu_seqlens given) must be 1-D [total_tokens], got logp of shape {shape}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"cu_seqlens must be 1-D with at least 2 entries (0 and the total), got shape {tuple(cu_seqlens.shape)}"
-            )
-        nseq = cu_seqlens.numel() - 1
+        nseq = cu.numel() - 1
         if advantages.dim() != 1 or advantages.numel() not in (nseq, shape[0]):
             raise ValueError(
                 f"advantages must have shape [num_seqs] = ({nseq},) or [total_tokens] = ({shape[0]},) for packed "
-                f"inputs, got {tuple(advantages.shape)}"
+                f"inputs, got {adv_shape}"
             )
         adv = advantages
-        cu = cu_seqlens.to(torch.int64)
-        uniform_len = 0
     if mask is not None and mask.dtype != torch.bool:
         mask = mask != 0
 
     def flat(x):
         return None if x is None else x.reshape(-1).contiguous()
 
-    return (flat(logp), flat(old_logp), adv.contiguous(), flat(mask), cu.contiguous(), flat(rollout_logp),
+    return (flat(logp), flat(old_logp), adv.contiguous(), flat(mask), cu, flat(rollout_logp),
             flat(ref_logp), flat(entropy), uniform_len)
 
 
@@ -197,18 +185,6 @@ def _positive_flags(positive, nseq, device):
         raise ValueError(f"positive must hold one flag per sequence, shape [{nseq}] (or [{nseq}, 1]), "
                          f"got {tuple(positive.shape)}")
     return positive.reshape(nseq).ne(0).to(torch.float32)
-
-
-def _check_cu_seqlens(cu, n):
-    """Packed layout only, before the op (the kernels index with it): one host sync."""
-    flags = torch.stack([cu[0] != 0, cu[-1] != n, (cu[1:] < cu[:-1]).any()]).tolist()
-    if flags[0]:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
-    if flags[1]:
-        raise ValueError(f"cu_seqlens must end at the number of tokens {n}, got {int(cu[-1])}")
-    if flags[2]:
-        i = first_true(cu[1:] < cu[:-1])
-        raise ValueError(f"cu_seqlens must be non-decreasing; entry {i + 1} ({int(cu[i + 1])}) < entry {i} ({int(cu[i])})")
 
 
 def _check_finite(loss, inputs, mask):
@@ -265,21 +241,9 @@ def policy_loss(
     pos = _positive_flags(positive, cu.numel() - 1, lp.device)
     if cfg.nll_coef != 0.0 and pos is None:
         raise ValueError(f"nll_coef={cfg.nll_coef} needs positive (one flag per sequence: rewarded positively or not)")
-    norm_t = None
-    divisor = 0.0 if cfg.normalizer is None else float(cfg.normalizer)
-    if normalizer is not None:
-        if isinstance(normalizer, torch.Tensor):
-            if normalizer.numel() != 1:
-                raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(normalizer.shape)}")
-            if normalizer.device != lp.device:
-                raise ValueError(f"normalizer is on {normalizer.device} but logp is on {lp.device}")
-            norm_t = normalizer.reshape(()).to(torch.float32)
-        elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
-            raise TypeError(f"normalizer must be a float or a tensor, got {type(normalizer).__name__}")
-        elif not normalizer > 0:
-            raise ValueError(f"normalizer must be > 0, got {normalizer}")
-        else:
-            divisor = float(normalizer)
+    norm_t, divisor = parse_normalizer(normalizer, lp.device, "logp")
+    if normalizer is None and cfg.normalizer is not None:
+        divisor = float(cfg.normalizer)
     if cfg.loss_agg_mode == "seq-mean-token-sum-norm" and norm_t is None and divisor == 0.0:
         if cu_seqlens is not None:
             raise ValueError(
@@ -289,7 +253,7 @@ def policy_loss(
         divisor = float(logp.shape[1])  # the padded length, as verl does
     checks = value_checks_enabled()
     if checks and cu_seqlens is not None:
-        _check_cu_seqlens(cu, lp.numel())
+        check_cu_seqlens(cu, lp.numel())
     loss, mvec, _, _, _, _ = torch.ops.flashrl.policy_loss(
         lp, old, adv, m, cu, roll, ref, ent, norm_t,
         float(cfg.eps_low), float(cfg.eps_high), float(cfg.dual_clip or 0.0), cfg.importance_sampling_level,

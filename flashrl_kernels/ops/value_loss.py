@@ -28,9 +28,18 @@ import torch
 from torch import Tensor
 
 from .._backend import implementation
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor, value_checks_enabled
+from .._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_cu_seqlens,
+    check_same_device,
+    check_tensor,
+    parse_normalizer,
+    sequence_layout,
+    value_checks_enabled,
+)
 from ..loss_config import LOSS_AGG_MODES, LossOutput, _choice
-from .policy_loss import _check_cu_seqlens, _check_finite
+from .policy_loss import _check_finite
 
 # Names (and order) of the metrics every backend returns. Stable: renaming one is an API change.
 VALUE_METRIC_NAMES = (
@@ -115,35 +124,14 @@ def _canonical(values, old_values, returns, mask, cu_seqlens):
     for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have the shape of values {shape}, got {tuple(t.shape)}")
-    if cu_seqlens is None:
-        if values.dim() != 2:
-            raise ValueError(
-                f"padded inputs must be [B, T], got values of shape {shape}; for packed [total_tokens] inputs pass "
-                "cu_seqlens"
-            )
-        b, t = shape
-        if b == 0:
-            raise ValueError("empty batch: values has no sequences (B = 0)")
-        cu = torch.arange(b + 1, device=values.device, dtype=torch.int64) * t
-        uniform_len = t
-    else:
-        if values.dim() != 1:
-            raise ValueError(
-                f"packed inputs (cu_seqlens given) must be 1-D [total_tokens], got values of shape {shape}"
-            )
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"cu_seqlens must be 1-D with at least 2 entries (0 and the total), got shape {tuple(cu_seqlens.shape)}"
-            )
-        cu = cu_seqlens.to(torch.int64)
-        uniform_len = 0
+    cu, uniform_len = sequence_layout("values", values, cu_seqlens)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask != 0
 
     def flat(x):
         return None if x is None else x.reshape(-1).contiguous()
 
-    return flat(values), flat(old_values), flat(returns), flat(mask), cu.contiguous(), uniform_len
+    return flat(values), flat(old_values), flat(returns), flat(mask), cu, uniform_len
 
 
 def _check_clip_range(clip_range) -> float:
@@ -155,23 +143,6 @@ def _check_clip_range(clip_range) -> float:
     if not math.isfinite(c) or not c > 0.0:
         raise ValueError(f"clip_range must be a finite number > 0 (or None for no clipping), got {clip_range}")
     return c
-
-
-def _normalizer(normalizer, device):
-    """(tensor normalizer or None, float divisor or 0.0) from the `normalizer` argument."""
-    if normalizer is None:
-        return None, 0.0
-    if isinstance(normalizer, torch.Tensor):
-        if normalizer.numel() != 1:
-            raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(normalizer.shape)}")
-        if normalizer.device != device:
-            raise ValueError(f"normalizer is on {normalizer.device} but values is on {device}")
-        return normalizer.reshape(()).to(torch.float32), 0.0
-    if isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
-        raise TypeError(f"normalizer must be a float or a tensor, got {type(normalizer).__name__}")
-    if not (normalizer > 0 and math.isfinite(normalizer)):
-        raise ValueError(f"normalizer must be a finite number > 0, got {normalizer}")
-    return None, float(normalizer)
 
 
 def value_loss(
@@ -201,7 +172,7 @@ def value_loss(
     clip = _check_clip_range(clip_range)
     _choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     v, old, ret, m, cu, uniform_len = _canonical(values, old_values, returns, mask, cu_seqlens)
-    norm_t, divisor = _normalizer(normalizer, v.device)
+    norm_t, divisor = parse_normalizer(normalizer, v.device, "values")
     if loss_agg_mode == "seq-mean-token-sum-norm" and norm_t is None and divisor == 0.0:
         if cu_seqlens is not None:
             raise ValueError(
@@ -211,7 +182,7 @@ def value_loss(
         divisor = float(values.shape[1])  # the padded length, as policy_loss (and verl's loss_scale_factor default)
     checks = value_checks_enabled()
     if checks and cu_seqlens is not None:
-        _check_cu_seqlens(cu, v.numel())
+        check_cu_seqlens(cu, v.numel())
     need_grad = torch.is_grad_enabled() and values.requires_grad
     loss, mvec, _, _ = torch.ops.flashrl.value_loss(
         v, old, ret, m, cu, norm_t, clip, loss_agg_mode, divisor, int(uniform_len), need_grad

@@ -205,6 +205,17 @@ def _autograd_enabled():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
+def spec_normalizer(normalizer, divisor, agg):
+    """The spec's `normalizer` from the op's (tensor normalizer or None, float divisor or 0)."""
+    if normalizer is not None:
+        return normalizer.double()
+    if divisor > 0:
+        return divisor
+    if agg == "seq-mean-token-sum-norm":
+        raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs a normalizer")
+    return None
+
+
 def _config(eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta, entropy_coef,
             nll_coef):
     return LossConfig(
@@ -219,14 +230,7 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
                         entropy_coef, divisor, uniform_len, positive=None, nll_coef=0.0):
     cfg = _config(eps_low, eps_high, dual_clip, level, tis_mode, tis_min, tis_max, tis_reduce, agg, beta, entropy_coef,
                   nll_coef)
-    if normalizer is not None:
-        norm = normalizer.double()
-    elif divisor > 0:
-        norm = divisor
-    else:
-        norm = None
-    if agg == "seq-mean-token-sum-norm" and norm is None:
-        raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs a normalizer")
+    norm = spec_normalizer(normalizer, divisor, agg)
     lp = logp.detach().double().requires_grad_(True)
     ent = entropy.detach().double().requires_grad_(True) if entropy is not None else None
     # A custom op runs below the autograd dispatch keys; re-enable them to differentiate the spec here.
@@ -263,4 +267,4 @@ def policy_loss_backward(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, sc
     return grad_logp.float(), grad_ent.float()
 
 
-__all__ = ["policy_loss_backward", "policy_loss_forward", "policy_loss_spec", "tis_weight"]
+__all__ = ["policy_loss_backward", "policy_loss_forward", "policy_loss_spec", "spec_normalizer", "tis_weight"]

@@ -25,7 +25,7 @@ import torch
 
 from ..loss_config import LOSS_AGG_MODES
 from ..ops.value_loss import VALUE_METRIC_NAMES
-from .policy_loss import _autograd_enabled, _split
+from .policy_loss import _autograd_enabled, _split, spec_normalizer
 
 
 def value_loss_spec(values, old_values, returns, *, mask=None, cu_seqlens=None, clip_range=None,
@@ -100,14 +100,7 @@ def value_loss_spec(values, old_values, returns, *, mask=None, cu_seqlens=None, 
 
 def value_loss_forward(values, old_values, returns, mask, cu_seqlens, normalizer, clip_range, agg, divisor,
                        uniform_len, need_grad):
-    if normalizer is not None:
-        norm = normalizer.double()
-    elif divisor > 0:
-        norm = divisor
-    else:
-        norm = None
-    if agg == "seq-mean-token-sum-norm" and norm is None:
-        raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs a normalizer")
+    norm = spec_normalizer(normalizer, divisor, agg)
     v = values.detach().double().requires_grad_(True)
     # A custom op runs below the autograd dispatch keys; re-enable them to differentiate the spec here.
     with _autograd_enabled(), torch.enable_grad():

@@ -9,9 +9,11 @@ from .integrations import patch, unpatch
 from .integrations import patch_from_env as _patch_from_env
 from .loss_config import LossConfig, LossOutput
 from .ops import (
+    LINEAR_METRIC_NAMES,
     GAEOutput,
     dequantize_rows,
     gae,
+    linear_policy_loss,
     linear_token_logprobs,
     policy_loss,
     quantize_per_token,
@@ -24,6 +26,7 @@ from .ops.value_loss import VALUE_METRIC_NAMES, value_loss
 
 __all__ = [
     "BACKENDS",
+    "LINEAR_METRIC_NAMES",
     "VALUE_METRIC_NAMES",
     "BackendUnavailableError",
     "GAEOutput",
@@ -34,6 +37,7 @@ __all__ = [
     "dynamic_sampling_mask",
     "gae",
     "group_advantages",
+    "linear_policy_loss",
     "linear_token_logprobs",
     "native_status",
     "overlong_penalty",

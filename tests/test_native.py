@@ -391,7 +391,7 @@ def test_linear_epilogues_thread_count_does_not_change_results():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"z": torch.zeros(3, 5, dtype=torch.bfloat16)}, "z must be float32"),
+        ({"z": torch.zeros(3, 5, dtype=torch.float64)}, "z must be float32, bfloat16 or float16"),
         ({"z": torch.zeros(3, 5)[:, ::2]}, "unit stride"),
         ({"bias": torch.zeros(4)}, "bias must be a contiguous 1-D tensor of the tile's 5 columns"),
         ({"bias": torch.zeros(5, dtype=torch.float64)}, "bias must be float32, bfloat16 or float16"),
@@ -428,6 +428,36 @@ def test_linear_bwd_epilogue_bad_out():
         )
     with pytest.raises(RuntimeError, match="grad_entropy must be a contiguous float32"):
         torch.ops.flashrl_native.linear_bwd_epilogue(z, None, t, 1.0, r, r, r, torch.zeros(2), torch.zeros(3, 5))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_epilogues_read_low_precision_tiles(dtype):
+    """A bf16 / fp16 logits tile (the GEMM's own output, as linear_policy_loss keeps it) gives the statistics and
+    dZ of the same values widened to fp32; dZ is written over the tile itself."""
+    rows, cols = 5, 1037  # a tail past the 1024-value chunk
+    z = (torch.randn(rows, cols) * 3).to(dtype)
+    bias = torch.randn(cols).to(dtype)
+    tgt = torch.tensor([0, 7, cols - 1, -1, 1030])
+    stats = []
+    for tile in (z, z.float()):
+        m = torch.full((rows,), float("-inf"))
+        s, w, zt = torch.zeros(rows), torch.zeros(rows), torch.zeros(rows)
+        torch.ops.flashrl_native.linear_fwd_epilogue(tile, bias, tgt, 0.8, True, m, s, w, zt)
+        stats.append((m, s, w, zt))
+    for a, b in zip(*stats):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    m, s, w, _ = stats[1]
+    lse = m + torch.log(s)
+    ent = torch.log(s) - w / s
+    g_lp, g_h = torch.randn(rows), torch.randn(rows)
+    ref = torch.empty(rows, cols, dtype=dtype)
+    torch.ops.flashrl_native.linear_bwd_epilogue(z.float(), bias, tgt, 0.8, lse, ent, g_lp, g_h, ref)
+    inplace = z.clone()
+    torch.ops.flashrl_native.linear_bwd_epilogue(inplace, bias, tgt, 0.8, lse, ent, g_lp, g_h, inplace)
+    torch.testing.assert_close(inplace, ref, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="needs out of the same dtype"):
+        torch.ops.flashrl_native.linear_bwd_epilogue(z, bias, tgt, 0.8, lse, ent, g_lp, g_h, torch.empty(rows, cols))
 
 
 @needs_native

@@ -71,6 +71,27 @@ def test_summary_reports_rollout_tokens_per_s(tmp_path):
     assert "wall time (s)" in table and "held-out accuracy, after RL" in table  # the other rows stay
 
 
+# an entropy bonus keeps the gradient non-zero even when every group of this tiny step is flat
+@pytest.mark.parametrize("extra", [{"entropy_coef": 0.01},
+                                   {"level": "sequence", "loss_agg": "seq-mean-token-mean", "entropy_coef": 0.01}])
+def test_fused_head_update_equals_logits_update(tmp_path, extra):
+    """--fused-logprobs: the update's loss from linear_policy_loss equals policy_loss on the logits' logprobs,
+    with the same weights after one step (same rollout, same seed)."""
+    models = []
+    for fused in (False, True):
+        tr = Trainer(small_cfg(tmp_path / str(fused), steps=1, fused_logprobs=fused, **extra))
+        before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+        m = tr.rl_step()
+        models.append((m, tr.model.state_dict()))
+    (m0, s0), (m1, s1) = models
+    assert m1["loss"] == pytest.approx(m0["loss"], rel=1e-4, abs=1e-6)
+    assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-3) and m0["grad_norm"] > 0
+    assert m1["logp_mean"] < 0 and "logp_mean" not in m0
+    for name, a in s0.items():
+        torch.testing.assert_close(s1[name], a, rtol=2e-3, atol=2e-5, msg=name)
+    assert any(not torch.equal(s1[k], before[k]) for k in before)  # the step changed the weights
+
+
 def test_resume_continues_bit_for_bit(tmp_path):
     cfg = small_cfg(tmp_path, steps=3)
     straight = Trainer(cfg)

@@ -55,7 +55,9 @@ int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 15
 void check_tile(const at::Tensor& z, const char* op) {
   TORCH_CHECK(z.device().is_cpu(), op, ": CPU tensors only, got z on ", z.device());
   TORCH_CHECK(z.dim() == 2, op, ": z must be a 2-D [rows, cols] tile, got ", z.dim(), " dims");
-  TORCH_CHECK(z.scalar_type() == at::kFloat, op, ": z must be float32, got ", z.scalar_type());
+  const auto zt = z.scalar_type();
+  TORCH_CHECK(zt == at::kFloat || zt == at::kBFloat16 || zt == at::kHalf, op,
+              ": z must be float32, bfloat16 or float16, got ", zt);
   TORCH_CHECK(z.size(1) > 0, op, ": empty tile");
   TORCH_CHECK(z.stride(1) == 1 || z.size(1) == 1, op, ": z must have unit stride along its columns");
 }
@@ -109,21 +111,36 @@ void with_bias(const std::optional<at::Tensor>& bias, F&& f) {
   }
 }
 
+// f(z_ptr) with z_ptr typed by the tile's dtype (fp32, or the bf16 / fp16 a GEMM wrote).
+template <typename F>
+void with_tile(const at::Tensor& z, F&& f) {
+  switch (z.scalar_type()) {
+    case at::kFloat:
+      f(z.const_data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      f(z.const_data_ptr<c10::BFloat16>());
+      break;
+    default:
+      f(z.const_data_ptr<c10::Half>());
+  }
+}
+
 // kW biased logits x = z + b in fp32.
-template <typename B, bool HAS_BIAS>
-inline Vec load_x(const float* z, const B* b, int64_t i) {
+template <typename Z, typename B, bool HAS_BIAS>
+inline Vec load_x(const Z* z, const B* b, int64_t i) {
   if constexpr (HAS_BIAS) {
-    return Vec::loadu(z + i) + load_f32(b + i);
+    return load_f32(z + i) + load_f32(b + i);
   } else {
-    return Vec::loadu(z + i);
+    return load_f32(z + i);
   }
 }
 
 // The tail of a row (n < kChunk values from k) as biased fp32 logits, padded with -inf to `padded` values.
-template <typename B, bool HAS_BIAS>
-inline void tail_x(const float* z, const B* b, int64_t k, int64_t n, int64_t padded, float* buf) {
+template <typename Z, typename B, bool HAS_BIAS>
+inline void tail_x(const Z* z, const B* b, int64_t k, int64_t n, int64_t padded, float* buf) {
   for (int64_t i = 0; i < n; ++i) {
-    buf[i] = z[k + i];
+    buf[i] = static_cast<float>(z[k + i]);
     if constexpr (HAS_BIAS) buf[i] += static_cast<float>(b[k + i]);
   }
   for (int64_t i = n; i < padded; ++i) buf[i] = kNegInf;
@@ -154,18 +171,18 @@ inline void merge_row(const RowAcc& acc, float c, float& m, float& s, float& w) 
   m = mf;
 }
 
-template <typename B, bool HAS_BIAS, bool ENTROPY>
-void forward_row(const float* z, const B* b, int64_t cols, float c, float& m, float& s, float& w) {
+template <typename Z, typename B, bool HAS_BIAS, bool ENTROPY>
+void forward_row(const Z* z, const B* b, int64_t cols, float c, float& m, float& s, float& w) {
   RowAcc acc;
   const int64_t full = cols / kChunk * kChunk;
   for (int64_t c0 = 0; c0 < full; c0 += kChunk) {
-    online_chunk<ENTROPY>([z, b, c0](int64_t i) { return load_x<B, HAS_BIAS>(z, b, c0 + i); }, kChunk, c, acc);
+    online_chunk<ENTROPY>([z, b, c0](int64_t i) { return load_x<Z, B, HAS_BIAS>(z, b, c0 + i); }, kChunk, c, acc);
   }
   if (full < cols) {  // the tail: biased fp32 copy padded with -inf to whole vectors
     alignas(64) float buf[kChunk];
     const int64_t n = cols - full;
     const int64_t nv = (n + kW - 1) / kW * kW;
-    tail_x<B, HAS_BIAS>(z, b, full, n, nv, buf);
+    tail_x<Z, B, HAS_BIAS>(z, b, full, n, nv, buf);
     online_chunk<ENTROPY>([&buf](int64_t i) { return Vec::loadu(buf + i); }, nv, c, acc);
   }
   merge_row<ENTROPY>(acc, c, m, s, w);
@@ -184,70 +201,72 @@ void linear_fwd_epilogue(const at::Tensor& z, const std::optional<at::Tensor>& b
   check_rows_f32(s, rows, op, "s");
   check_rows_f32(zt, rows, op, "zt");
   if (return_entropy) check_rows_f32(w, rows, op, "w");
-  const float* zp = z.const_data_ptr<float>();
   float* mp = m.data_ptr<float>();
   float* sp = s.data_ptr<float>();
   float* wp = return_entropy ? w.data_ptr<float>() : nullptr;
   float* ztp = zt.data_ptr<float>();
   const float c = static_cast<float>(kLog2e / temperature);
+  with_tile(z, [&](const auto* zp) {
+  using Z = std::remove_cv_t<std::remove_pointer_t<decltype(zp)>>;
   with_bias(bias, [&](const auto* bp, auto has_bias) {
     using B = std::remove_cv_t<std::remove_pointer_t<decltype(bp)>>;
     constexpr bool HB = decltype(has_bias)::value;
     at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
       float w_unused = 0.f;
       for (int64_t r = begin; r < end; ++r) {
-        const float* zr = zp + r * zs;
+        const Z* zr = zp + r * zs;
         const int64_t y = tgt[r];
         if (y >= 0 && y < cols) {  // the target's u = (z + b) / T, as the torch epilogue rounds it
-          float x = zr[y];
+          float x = static_cast<float>(zr[y]);
           if constexpr (HB) x += static_cast<float>(bp[y]);
           ztp[r] = static_cast<float>(static_cast<double>(x) / temperature);
         }
         if (return_entropy) {
-          forward_row<B, HB, true>(zr, bp, cols, c, mp[r], sp[r], wp[r]);
+          forward_row<Z, B, HB, true>(zr, bp, cols, c, mp[r], sp[r], wp[r]);
         } else {
-          forward_row<B, HB, false>(zr, bp, cols, c, mp[r], sp[r], w_unused);
+          forward_row<Z, B, HB, false>(zr, bp, cols, c, mp[r], sp[r], w_unused);
         }
       }
     });
+  });
   });
 }
 
 // ---------------------------------------------------------------- backward
 
-template <typename B, bool HAS_BIAS, typename TO, bool ENTROPY>
-void backward_row(const float* z, const B* b, TO* g, int64_t cols, float c, double inv_t, int64_t y, float lse,
+template <typename Z, typename B, bool HAS_BIAS, typename TO, bool ENTROPY>
+void backward_row(const Z* z, const B* b, TO* g, int64_t cols, float c, double inv_t, int64_t y, float lse,
                   float g_lp, float g_h, float h) {
   // read the target's logit first: g may be z itself
   const bool owned = y >= 0 && y < cols;
   float xy = 0.f;
   if (owned) {
-    xy = z[y];
+    xy = static_cast<float>(z[y]);
     if constexpr (HAS_BIAS) xy += static_cast<float>(b[y]);
   }
   const SoftmaxRowGrad<ENTROPY> grad_of(c, inv_t, lse, g_lp, g_h, h);
   int64_t k = 0;
   for (; k + 2 * kW <= cols; k += 2 * kW) {
-    const Vec a = grad_of(load_x<B, HAS_BIAS>(z, b, k));
-    const Vec d = grad_of(load_x<B, HAS_BIAS>(z, b, k + kW));
+    const Vec a = grad_of(load_x<Z, B, HAS_BIAS>(z, b, k));
+    const Vec d = grad_of(load_x<Z, B, HAS_BIAS>(z, b, k + kW));
     store_pair<TO>(g + k, a, d);
   }
   if (k < cols) {  // tail through a padded buffer
     alignas(64) float xbuf[2 * kW];
     alignas(64) TO gbuf[2 * kW];
     const int64_t n = cols - k;
-    tail_x<B, HAS_BIAS>(z, b, k, n, 2 * kW, xbuf);
+    tail_x<Z, B, HAS_BIAS>(z, b, k, n, 2 * kW, xbuf);
     store_pair<TO>(gbuf, grad_of(Vec::loadu(xbuf)), grad_of(Vec::loadu(xbuf + kW)));
     std::memcpy(static_cast<void*>(g + k), gbuf, n * sizeof(TO));
   }
   if (owned) g[y] = static_cast<TO>(target_grad(xy, inv_t, lse, g_lp, g_h, h, ENTROPY));
 }
 
-template <typename TO>
+template <typename Z, typename TO>
 void backward_tile(const at::Tensor& z, const std::optional<at::Tensor>& bias, const int64_t* tgt, double temperature,
                    const float* lse, const float* ent, const float* g_lp, const float* g_h, const at::Tensor& out) {
   const int64_t rows = z.size(0), cols = z.size(1), zs = z.stride(0), os = out.stride(0);
-  const float* zp = z.const_data_ptr<float>();
+  const Z* zp = z.const_data_ptr<Z>();
   TO* op = out.data_ptr<TO>();
   const double inv_t = 1.0 / temperature;
   const float c = static_cast<float>(kLog2e / temperature);
@@ -263,11 +282,11 @@ void backward_tile(const at::Tensor& z, const std::optional<at::Tensor>& bias, c
           std::memset(static_cast<void*>(g), 0, cols * sizeof(TO));  // a row is contiguous (unit column stride)
           continue;
         }
-        const float* zr = zp + r * zs;
+        const Z* zr = zp + r * zs;
         if (g_h) {
-          backward_row<B, HB, TO, true>(zr, bp, g, cols, c, inv_t, tgt[r], lse[r], glp, gh, ent[r]);
+          backward_row<Z, B, HB, TO, true>(zr, bp, g, cols, c, inv_t, tgt[r], lse[r], glp, gh, ent[r]);
         } else {
-          backward_row<B, HB, TO, false>(zr, bp, g, cols, c, inv_t, tgt[r], lse[r], glp, 0.f, 0.f);
+          backward_row<Z, B, HB, TO, false>(zr, bp, g, cols, c, inv_t, tgt[r], lse[r], glp, 0.f, 0.f);
         }
       }
     });
@@ -303,15 +322,24 @@ void linear_bwd_epilogue(const at::Tensor& z, const std::optional<at::Tensor>& b
   TORCH_CHECK(out.stride(1) == 1 || cols == 1, op, ": out must have unit stride along its columns");
   const float* lse_p = lse.const_data_ptr<float>();
   const float* g_lp = grad_logprobs.const_data_ptr<float>();
+  if (z.scalar_type() != at::kFloat) {  // a bf16 / fp16 tile: dZ in the same dtype (usually over z itself)
+    TORCH_CHECK(dt == z.scalar_type(), op, ": a ", z.scalar_type(), " tile needs out of the same dtype, got ", dt);
+    if (dt == at::kBFloat16) {
+      backward_tile<c10::BFloat16, c10::BFloat16>(z, bias, tgt, temperature, lse_p, ent, g_lp, g_h, out);
+    } else {
+      backward_tile<c10::Half, c10::Half>(z, bias, tgt, temperature, lse_p, ent, g_lp, g_h, out);
+    }
+    return;
+  }
   switch (dt) {
     case at::kFloat:
-      backward_tile<float>(z, bias, tgt, temperature, lse_p, ent, g_lp, g_h, out);
+      backward_tile<float, float>(z, bias, tgt, temperature, lse_p, ent, g_lp, g_h, out);
       break;
     case at::kBFloat16:
-      backward_tile<c10::BFloat16>(z, bias, tgt, temperature, lse_p, ent, g_lp, g_h, out);
+      backward_tile<float, c10::BFloat16>(z, bias, tgt, temperature, lse_p, ent, g_lp, g_h, out);
       break;
     default:
-      backward_tile<c10::Half>(z, bias, tgt, temperature, lse_p, ent, g_lp, g_h, out);
+      backward_tile<float, c10::Half>(z, bias, tgt, temperature, lse_p, ent, g_lp, g_h, out);
   }
 }
 

@@ -25,6 +25,7 @@ if not _native.load():
 
 from .gae import gae_forward
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
+from .linear_policy_loss import linear_policy_loss_forward
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 from .policy_loss import policy_loss_backward, policy_loss_forward
 from .quantize import dequantize_rows_forward, quantize_rows_forward, scaled_linear_forward
@@ -35,6 +36,7 @@ __all__ = [
     "gae_forward",
     "linear_logprobs_backward",
     "linear_logprobs_stats",
+    "linear_policy_loss_forward",
     "policy_loss_backward",
     "policy_loss_forward",
     "quantize_rows_forward",

@@ -123,14 +123,17 @@ def _check_config(config):
     return config
 
 
-def _same_shape(name, t, shape):
+def _same_shape(name, t, shape, like="logp"):
     if t is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have the shape of logp {tuple(shape)}, got {tuple(t.shape)}")
+        raise ValueError(f"{name} must have the shape of {like} {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def _canonical(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy):
-    """Checks shapes and returns (flat tensors..., cu_seqlens int64, uniform_len)."""
-    check_tensor("logp", logp, dtypes=FLOAT_DTYPES)
+def _canonical(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, like="logp"):
+    """Checks shapes and returns (flat tensors..., cu_seqlens int64, uniform_len).
+
+    `like` names the tensor whose shape the others must have in error messages.
+    """
+    check_tensor(like, logp, dtypes=FLOAT_DTYPES)
     check_tensor("old_logp", old_logp, dtypes=FLOAT_DTYPES)
     check_tensor("advantages", advantages, dtypes=FLOAT_DTYPES)
     for name, t in (("rollout_logp", rollout_logp), ("ref_logp", ref_logp), ("entropy", entropy)):
@@ -145,8 +148,8 @@ def _canonical(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_l
     shape = tuple(logp.shape)
     for name, t in (("old_logp", old_logp), ("rollout_logp", rollout_logp), ("ref_logp", ref_logp),
                     ("entropy", entropy), ("mask", mask)):
-        _same_shape(name, t, shape)
-    cu, uniform_len = sequence_layout("logp", logp, cu_seqlens)
+        _same_shape(name, t, shape, like)
+    cu, uniform_len = sequence_layout(like, logp, cu_seqlens)
     adv_shape = tuple(advantages.shape)
     if cu_seqlens is None:
         b, t = shape

@@ -226,16 +226,19 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
     neg = a_t < 0
     rc = torch.where(pos, r.clamp(max=hi), r.clamp(lo, c))
     unclipped = rc == r
-    loss_t = rc.mul_(a_t).neg_()                      # -A * min/max(...): the clipped PPO term
-    g_pg = torch.where(unclipped, a_t, 0.0).mul_(r).neg_()   # d loss_t / d logp through r (token / seq_token)
+    # The loss sum is three separate reductions (clipped term, KL, entropy), each out of place: with all three
+    # terms in one in-place chain Inductor's dynamic-shape graph under no_grad returned a wrong sum (the
+    # gradients were right); separate, fused reductions cost the same.
+    loss_t = -(rc * a_t)                              # -A * min/max(...): the clipped PPO term
+    g_pg = -(torch.where(unclipped, a_t, 0.0) * r)    # d loss_t / d logp through r (token / seq_token)
     if tis_mode != "none":
         if seq_tis:
             w_t = tok(seq_w)
             out_t = tok(seq_out)
         else:
             w_t, out_t = _tis(rho_t, tis_mode, tis_min, tis_max)
-        loss_t.mul_(w_t)
-        g_pg.mul_(w_t)
+        loss_t = loss_t * w_t
+        g_pg = g_pg * w_t
     else:
         w_t = out_t = None
     if level == "sequence":
@@ -249,6 +252,7 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
         g_tok = g_pg
         seq_coef = logp.new_zeros(0, dtype=f32)
     sum_kl = torch.zeros((), dtype=f32, device=dev)
+    q_kl = q_ent = None
     if ref_logp is not None:
         y = ref_logp.to(f32) - logp.to(f32)
         if inv is not None:
@@ -257,7 +261,7 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
         kl = e - y - 1.0
         sum_kl = kl.sum()
         if beta != 0.0:
-            loss_t.add_(kl, alpha=beta)
+            q_kl = beta * (kl if alpha_t is None else kl * alpha_t).sum()
             g_tok = g_tok + (1.0 - e) * beta
     sum_ent = torch.zeros((), dtype=f32, device=dev)
     g_ent = logp.new_zeros(0, dtype=f32)
@@ -265,7 +269,7 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
         h = clean(entropy)
         sum_ent = h.sum()
         if entropy_coef != 0.0:
-            loss_t.add_(h, alpha=-entropy_coef)
+            q_ent = -entropy_coef * (h if alpha_t is None else h * alpha_t).sum()
         g_ent = torch.full((n,), -entropy_coef, dtype=f32, device=dev)
         if vf is not None:
             g_ent.mul_(vf)
@@ -273,9 +277,14 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
             g_ent.mul_(alpha_t)
     # masked positions already contribute 0: their log-ratios, KL inputs and advantages were zeroed above
     if alpha_t is not None:
-        loss_t.mul_(alpha_t)
+        loss_t = loss_t * alpha_t
         if level != "sequence" or ref_logp is not None:
             g_tok = g_tok * alpha_t
+
+    q = loss_t.sum()
+    for extra in (q_kl, q_ent):
+        if extra is not None:
+            q = q + extra
 
     # ---- statistics ----
     n_tok = n_i.sum()
@@ -311,7 +320,7 @@ def _forward_terms(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, r
     if tis_lr is not None:
         sum_mkl = (rho_t - 1.0 - tis_lr).sum()  # masked positions give exp(0) - 1 - 0 = 0
     stats = torch.stack([
-        n_tok, nonempty.sum().to(f32), loss_t.sum(),
+        n_tok, nonempty.sum().to(f32), q,
         count(neg & (r < lo)), count(pos & (r > hi)), count(neg & (r > c)) if dual_clip > 0 else zero,
         sum_r, max_r, min_r, sum_w, min_w, max_w, n_out, sum_mkl, sum_kl, sum_ent,
         torch.where(nonempty, s_i, 0.0).sum(), torch.where(nonempty, s_i, big).min(),

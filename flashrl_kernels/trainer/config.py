@@ -74,7 +74,7 @@ class TrainConfig:
     loss_agg: str = "token-mean"
     beta: float = 0.0
     entropy_coef: float = 0.0
-    fused_logprobs: bool = False  # linear_token_logprobs from hidden states (never builds the logits)
+    fused_logprobs: bool = False  # linear_policy_loss / linear_token_logprobs from hidden states (no logits)
     # value-based PPO / VAPO (algo ppo or vapo); None = the algorithm's default (ALGO_DEFAULTS)
     gamma: float = 1.0
     lam: float | None = None         # GAE lambda of the advantages

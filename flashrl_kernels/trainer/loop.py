@@ -240,13 +240,9 @@ class Trainer:
                 idx = order[k * per_mb:(k + 1) * per_mb]
                 if not mask[idx].any():
                     continue
-                lp, ent = sequence_logprobs(self.model, ids[idx], attn[idx], targets[idx], cfg.temperature,
-                                            cfg.fused_logprobs, True)
-                out = fk.policy_loss(
-                    lp, old_lp[idx], adv[idx], mask=mask[idx], rollout_logp=rollout_lp[idx],
-                    ref_logp=None if ref_lp is None else ref_lp[idx], entropy=ent, config=self.loss_cfg,
-                    positive=None if positive is None else positive[idx],
-                )
+                out = self._policy_loss(ids[idx], attn[idx], targets[idx], old_lp[idx], adv[idx], mask[idx],
+                                        rollout_lp[idx], None if ref_lp is None else ref_lp[idx],
+                                        None if positive is None else positive[idx])
                 self.opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
@@ -263,6 +259,20 @@ class Trainer:
         m["time_sync"] = self.engine.sync(self.model)
         self.step += 1
         return m
+
+    def _policy_loss(self, ids, attn, targets, old_lp, adv, mask, rollout_lp, ref_lp, positive):
+        """The minibatch's policy loss: with fused_logprobs straight from the hidden states (linear_policy_loss:
+        no [tokens x vocab] logits, 6NHV), else log-probabilities from the logits, then policy_loss."""
+        cfg = self.cfg
+        kw = {"mask": mask, "rollout_logp": rollout_lp, "ref_logp": ref_lp, "config": self.loss_cfg,
+              "positive": positive}
+        if cfg.fused_logprobs:
+            hidden = self.model.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]
+            head = self.model.lm_head
+            return fk.linear_policy_loss(hidden, head.weight, targets, old_lp, adv, bias=head.bias,
+                                         temperature=cfg.temperature, **kw)
+        lp, ent = sequence_logprobs(self.model, ids, attn, targets, cfg.temperature, False, True)
+        return fk.policy_loss(lp, old_lp, adv, entropy=ent, **kw)
 
     def evaluate(self) -> float:
         return accuracy(self.model, self.tokenizer, self.eval_set, self.max_new_tokens)

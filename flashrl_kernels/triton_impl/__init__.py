@@ -1,6 +1,7 @@
 """Triton kernels (GPU; CPU tensors under TRITON_INTERPRET=1)."""
 from .gae import gae_forward
 from .linear_logprobs import linear_logprobs_backward, linear_logprobs_stats
+from .linear_policy_loss import linear_policy_loss_forward
 from .logprobs import token_logprobs_backward, token_logprobs_forward
 from .policy_loss import policy_loss_backward, policy_loss_forward
 from .quantize import dequantize_rows_forward, quantize_rows_forward, scaled_linear_forward
@@ -11,6 +12,7 @@ __all__ = [
     "gae_forward",
     "linear_logprobs_backward",
     "linear_logprobs_stats",
+    "linear_policy_loss_forward",
     "policy_loss_backward",
     "policy_loss_forward",
     "quantize_rows_forward",

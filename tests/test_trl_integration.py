@@ -165,6 +165,8 @@ CASES = {
         {"loss_type": "dapo", "off_policy_mask_threshold": 0.05, "vllm_importance_sampling_mode": "token_truncate"},
         {"tis": ("token_truncate", None, 3.0)}, {"use_vllm": True}),
     "bnpo-token-tool_mask": ({"loss_type": "bnpo", "beta": 0.04}, {"tool_mask": True}, {}),
+    "dapo-seq-tool_mask-nobias": ({"loss_type": "dapo", "importance_sampling_level": "sequence", "beta": 0.04,
+                                   "use_bias_correction_kl": False}, {"tool_mask": True}, {}),
     "grpo-token-per_token_advantages": ({"loss_type": "grpo"}, {"token_advantages": True}, {}),
     "dapo-seq-on_policy": ({"loss_type": "dapo", "importance_sampling_level": "sequence", "num_iterations": 1},
                            {"old": False}, {}),
@@ -179,7 +181,7 @@ RUNS = [(case, "train") for case in sorted(CASES)] + [
 
 @needs_supported
 @pytest.mark.parametrize(("case", "mode"), RUNS, ids=[f"{c}-{m}" for c, m in RUNS])
-def test_patched_loss_and_grads_equal_trl(case, mode, tiny, tmp_path):
+def test_patched_loss_and_grads_equal_trl(case, mode, tiny, tmp_path, monkeypatch):
     config, batch_opts, attrs = CASES[case]
     trainer = make_trainer(tiny, tmp_path, **config)
     for key, value in attrs.items():
@@ -187,12 +189,20 @@ def test_patched_loss_and_grads_equal_trl(case, mode, tiny, tmp_path):
     trainer.current_gradient_accumulation_steps = 2  # set by Trainer.train(); part of every divisor
     trainer.model.train(mode == "train")
     inputs = make_batch(trainer, seed=len(case), **batch_opts)
+    fused_calls = []
+    real = fk_trl._fused_head_loss
+    monkeypatch.setattr(fk_trl, "_fused_head_loss", lambda *a: fused_calls.append(1) or real(*a))
     with warnings.catch_warnings():
         warnings.simplefilter("error", fk_trl.FlashrlFallbackWarning)
         ref = loss_and_grads(trainer, inputs)
         fk_trl.patch()
         got = loss_and_grads(trainer, inputs)
     assert_same(ref, got)
+    # the whole policy head runs as linear_policy_loss unless an option needs the logprobs before the loss
+    assert len(fused_calls) == int(fk_trl._head_fusable(trainer)), case
+    if case in ("grpo-token", "dapo-seq-on_policy", "grpo-token-per_token_advantages", "dapo-seq-tool_mask-nobias",
+                "dapo-token-tis_sequence_truncate", "bnpo-token-beta-nobias-tis_token_truncate"):
+        assert fused_calls, f"{case} should run as one linear_policy_loss"
 
 
 @needs_supported

@@ -46,6 +46,7 @@ _MODEL_INPUT_KEYS = (
 logger = logging.getLogger(__name__)
 
 _originals: dict = {}     # name -> TRL's object, filled at the first patch(), kept after unpatch()
+_capture: list | None = None  # set by _compute_loss while TRL's forward runs: the fused head's inputs land here
 _patched = False
 _warned: set = set()
 
@@ -167,6 +168,11 @@ class FlashrlChunkedLogProb:
         device = hidden.device.type
         # TRL runs the projection in the autocast dtype when autocast is on, else in the hidden states' dtype
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        if _capture is not None:  # _compute_loss runs the head itself (linear_policy_loss): hand back placeholders
+            _capture.append({"hidden": hidden.to(dtype), "weight": weight.to(dtype), "targets": targets,
+                             "bias": None if bias is None else bias.to(dtype), "temperature": float(temperature)})
+            zeros = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
+            return zeros, (zeros if "entropy" in outputs else None), None, None, None
         want_entropy = "entropy" in outputs
         with torch.autocast(device, enabled=False):
             out = linear_token_logprobs(
@@ -217,8 +223,68 @@ def _normalizer(trainer, loss_type, mask, inputs, batch):
     return norm
 
 
+def _head_fusable(trainer) -> bool:
+    """Whether the whole policy head can run as one linear_policy_loss: nothing between TRL's logprobs and its
+    loss may need the logprobs (the off-policy mask, the high-entropy mask and the bias-corrected KL do)."""
+    if trainer.off_policy_mask_threshold is not None or trainer.top_entropy_quantile < 1.0:
+        return False
+    return not (float(trainer.beta) != 0.0 and trainer.args.use_bias_correction_kl)
+
+
+def _policy_logps(self, model, inputs, completion_mask, fused):
+    """TRL's forward for the loss. fused: the fused head's inputs are captured instead of scored (the returned
+    logprobs are placeholders); returns (logp, entropies, captured head or None)."""
+    global _capture
+    prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+    _capture = [] if fused else None
+    try:
+        logp, entropies, _ = self._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
+            completion_ids.size(1),
+            compute_entropy=True,
+            **{key: inputs.get(key) for key in _MODEL_INPUT_KEYS},
+        )
+        captured = _capture
+    finally:
+        _capture = None
+    if not fused:
+        return logp, entropies, None
+    labelled = completion_mask.bool()
+    if len(captured) == 1 and torch.equal(captured[0]["targets"], completion_ids[labelled]):
+        return logp, entropies, captured[0]
+    # the fused head was not reached, or scored other rows than the completion tokens: score them the usual way
+    _warn_once("the fused LM head did not see exactly the completion tokens (linear_policy_loss needs them)")
+    return _policy_logps(self, model, inputs, completion_mask, fused=False)
+
+
+def _fused_head_loss(head, completion_mask, mask, old, effective_adv, cfg, kwargs, normalizer):
+    """The loss straight from the captured hidden states (linear_policy_loss: no logits, 6NHV), packed over the
+    completion tokens; returns (loss, logp [B, T], entropies [B, T]) with the logprobs detached for logging."""
+    from ..loss_config import LossConfig
+    from ..ops import linear_policy_loss
+
+    labelled = completion_mask.bool()
+    lengths = labelled.sum(1)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    b, t = completion_mask.shape
+    adv = effective_adv.expand(b, t)[labelled]  # [B, 1] or [B, T] (TRL's factors) -> per completion token
+    packed = {k: v[labelled] for k, v in kwargs.items()}
+    out, lp, ent = linear_policy_loss(
+        head["hidden"], head["weight"], head["targets"], None if old is None else old[labelled], adv,
+        bias=head["bias"], mask=mask.bool()[labelled], cu_seqlens=cu, temperature=head["temperature"],
+        config=LossConfig(**cfg), normalizer=normalizer, return_logprobs=True,
+        ref_logp=packed.get("ref_logp"),
+    )
+    logp = lp.new_zeros(b, t).masked_scatter(labelled, lp)
+    entropies = ent.new_zeros(b, t).masked_scatter(labelled, ent)
+    return out.loss, logp, entropies
+
+
 def _compute_loss(self, model, inputs):
-    """GRPOTrainer._compute_loss on flashrl_kernels.policy_loss; same loss, gradients and logged metrics."""
+    """GRPOTrainer._compute_loss on flashrl_kernels (linear_policy_loss where the whole head fuses, else
+    policy_loss on TRL's logprobs); same loss, gradients and logged metrics."""
     reason = _loss_unsupported(self, inputs)
     if reason is not None:
         _warn_once(reason)
@@ -226,22 +292,14 @@ def _compute_loss(self, model, inputs):
     from ..loss_config import LossConfig
     from ..ops import policy_loss
 
-    prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     completion_mask = inputs["completion_mask"]
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-    logp, entropies, _ = self._get_per_token_logps_and_entropies(
-        model,
-        torch.cat([prompt_ids, completion_ids], dim=1),
-        torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
-        completion_ids.size(1),
-        compute_entropy=True,
-        **{key: inputs.get(key) for key in _MODEL_INPUT_KEYS},
-    )
+    logp, entropies, head = _policy_logps(self, model, inputs, completion_mask, _head_fusable(self))
     advantages = inputs["advantages"]
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    old = inputs.get("old_per_token_logps")
-    old = logp.detach() if old is None else old
+    old_given = inputs.get("old_per_token_logps")
+    old = logp.detach() if old_given is None else old_given
     level = self.importance_sampling_level
 
     # TRL multiplies the clipped term by constant per-token (or per-sequence) factors: the off-policy sequence
@@ -283,9 +341,13 @@ def _compute_loss(self, model, inputs):
         else:
             kwargs["ref_logp"] = ref
             cfg["beta"] = beta
-    out = policy_loss(
-        logp, old, effective_adv, mask=mask, config=LossConfig(**cfg),
-        normalizer=_normalizer(self, loss_type, mask, inputs, logp.size(0)), **kwargs)
+    normalizer = _normalizer(self, loss_type, mask, inputs, logp.size(0))
+    if head is not None:
+        loss, logp, entropies = _fused_head_loss(head, completion_mask, mask, old_given, effective_adv, cfg, kwargs,
+                                                 normalizer)
+        _log_metrics(self, logp, logp if old_given is None else old_given, advantages, mask, entropies, inputs, beta)
+        return loss
+    out = policy_loss(logp, old, effective_adv, mask=mask, config=LossConfig(**cfg), normalizer=normalizer, **kwargs)
     _log_metrics(self, logp.detach(), old, advantages, mask, entropies, inputs, beta)
     return out.loss
 

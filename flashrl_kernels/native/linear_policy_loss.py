@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch_impl.linear_policy_loss import ChunkKernels, fused_policy_loss
+from ..torch_impl.linear_policy_loss import ChunkKernels, forward_with
 
 
 def _stats(z, bias, tgt, temperature, m, s, w, zt):
@@ -24,11 +24,4 @@ def _dz(z, bias, tgt, temperature, lse, ent, g_lp, g_h, out, _m):
 NATIVE_KERNELS = ChunkKernels(_stats, _dz, low_precision_tile=True)
 
 
-def linear_policy_loss_forward(hidden, weight, bias, targets, old_logp, advantages, mask, cu_seqlens, rollout_logp,
-                               ref_logp, normalizer, positive, scalars, nll_coef, divisor, uniform_len, temperature,
-                               need_hidden, need_weight, need_bias, fp32_accumulate, **group_args):
-    return fused_policy_loss(
-        NATIVE_KERNELS, hidden, weight, bias, targets, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp,
-        normalizer, positive, scalars, nll_coef, divisor, uniform_len, temperature, need_hidden, need_weight,
-        need_bias, fp32_accumulate, **group_args,
-    )
+linear_policy_loss_forward = forward_with(NATIVE_KERNELS)

@@ -177,22 +177,14 @@ class _VocabParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, return_entropy, group,
                 vocab_start, vocab_total, fp32_accumulate):
-        import torch.distributed as dist
+        from ..torch_impl.linear_logprobs import merge_over_group
 
         target_local = targets - vocab_start
         m, s, w, zt = torch.ops.flashrl.linear_logprobs_stats(
             hidden, weight, bias, target_local, temperature, return_entropy
         )
-        m_glob = m.clone()
-        dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
-        m_ref = torch.where(torch.isneginf(m_glob), torch.zeros_like(m_glob), m_glob)
-        scale = torch.exp(m - m_ref)
-        shift = torch.where(s > 0, s * (m - m_ref), torch.zeros_like(s))
-        packed = torch.stack([s * scale, (w + shift) * scale, zt])
-        dist.all_reduce(packed, group=group)
-        logp, ent, lse = _finalize(
-            m_glob, packed[0], packed[1], packed[2], targets, vocab_total, ignore_index, return_entropy
-        )
+        logp, ent, lse = _finalize(*merge_over_group(m, s, w, zt, group), targets, vocab_total, ignore_index,
+                                   return_entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.args = (temperature, ignore_index, return_entropy, group, vocab_start, vocab_total, fp32_accumulate)
         ctx.mark_non_differentiable(lse)

@@ -22,19 +22,13 @@ from torch import Tensor
 
 from .._backend import implementation
 from .._checks import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
     check_cu_seqlens,
-    check_same_device,
-    check_temperature,
-    check_tensor,
     first_true,
-    parse_normalizer,
     value_checks_enabled,
 )
 from ..loss_config import METRIC_NAMES, LossConfig, LossOutput
-from .linear_logprobs import _vocab_slice
-from .policy_loss import _canonical, _check_config, _check_finite, _positive_flags
+from .linear_logprobs import _check_inputs, _vocab_slice
+from .policy_loss import _canonical, _check_config, _check_finite, _loss_inputs, config_scalars
 
 LINEAR_METRIC_NAMES = METRIC_NAMES + ("logp_mean",)
 
@@ -136,32 +130,6 @@ class _VocabParallel(torch.autograd.Function):
 
 # ---- public wrapper ----
 
-def _check_head(hidden, weight, targets, bias):
-    check_tensor("hidden", hidden, dtypes=FLOAT_DTYPES, ndim_min=2)
-    check_tensor("weight", weight, dtypes=FLOAT_DTYPES)
-    check_tensor("targets", targets, dtypes=INDEX_DTYPES)
-    if bias is not None:
-        check_tensor("bias", bias, dtypes=FLOAT_DTYPES)
-    check_same_device(hidden=hidden, weight=weight, targets=targets, bias=bias)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, H] (vocabulary rows), got shape {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
-    if hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden size mismatch: hidden has H = {hidden.shape[-1]} but weight [V, H] has "
-                         f"H = {weight.shape[1]}")
-    if hidden.shape[-1] == 0:
-        raise ValueError("hidden has an empty hidden dimension (H = 0)")
-    if bias is not None:
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != weight.dtype:
-            raise TypeError(f"bias dtype {bias.dtype} must equal weight dtype {weight.dtype}")
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"targets must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
-                         f"got {tuple(targets.shape)}")
-
-
 def _check_targets(targets, mask, vocab):
     bad = (targets < 0) | (targets >= vocab)
     if mask is not None:
@@ -213,8 +181,9 @@ def linear_policy_loss(
     (LossOutput, logp, entropy) with return_logprobs (detached fp32, targets' shape, 0 at masked positions).
     """
     cfg = _check_config(config)
-    temperature = check_temperature(temperature)
-    _check_head(hidden, weight, targets, bias)
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must be [B, T, H] (padded) or [N, H] (packed), got shape {tuple(hidden.shape)}")
+    temperature, _ = _check_inputs(hidden, weight, targets, bias, temperature, None, process_group)
     # the token tensors' layout is checked against a float stand-in with the targets' shape
     stand_in = torch.zeros((), dtype=torch.float32, device=hidden.device).expand(targets.shape)
     (_, old, adv, m, cu, roll, ref, _, uniform_len) = _canonical(
@@ -223,23 +192,8 @@ def linear_policy_loss(
     )
     if old_logp is None:
         old = None
-    if cfg.tis_mode != "none" and roll is None:
-        raise ValueError(f"tis_mode={cfg.tis_mode!r} needs rollout_logp (the rollout engine's log-probabilities)")
-    if cfg.beta != 0.0 and ref is None:
-        raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference policy's log-probabilities)")
-    pos = _positive_flags(positive, cu.numel() - 1, hidden.device)
-    if cfg.nll_coef != 0.0 and pos is None:
-        raise ValueError(f"nll_coef={cfg.nll_coef} needs positive (one flag per sequence: rewarded positively or not)")
-    norm_t, divisor = parse_normalizer(normalizer, hidden.device, "hidden")
-    if normalizer is None and cfg.normalizer is not None:
-        divisor = float(cfg.normalizer)
-    if cfg.loss_agg_mode == "seq-mean-token-sum-norm" and norm_t is None and divisor == 0.0:
-        if cu_seqlens is not None:
-            raise ValueError(
-                "loss_agg_mode='seq-mean-token-sum-norm' divides by a constant; with packed inputs pass it as "
-                "normalizer (e.g. the maximum response length)"
-            )
-        divisor = float(targets.shape[1])
+    pos, norm_t, divisor = _loss_inputs(cfg, roll, ref, positive, cu.numel() - 1, normalizer, cu_seqlens,
+                                        targets.shape, hidden.device, "hidden")
     h2 = hidden.reshape(-1, hidden.shape[-1])
     tgt = targets.reshape(-1).long().contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -248,9 +202,7 @@ def linear_policy_loss(
     need_h = grad_on and hidden.requires_grad
     need_w = grad_on and weight.requires_grad
     need_b = grad_on and bias is not None and bias.requires_grad
-    scalars = (float(cfg.eps_low), float(cfg.eps_high), float(cfg.dual_clip or 0.0), cfg.importance_sampling_level,
-               cfg.tis_mode, float(cfg.tis_min), float(cfg.tis_max), cfg.tis_sequence_reduce, cfg.loss_agg_mode,
-               float(cfg.beta), float(cfg.entropy_coef))
+    scalars = config_scalars(cfg)
     checks = value_checks_enabled()
     if checks and cu_seqlens is not None:
         check_cu_seqlens(cu, tgt.numel())

@@ -190,6 +190,36 @@ def _positive_flags(positive, nseq, device):
     return positive.reshape(nseq).ne(0).to(torch.float32)
 
 
+def _loss_inputs(cfg, roll, ref, positive, nseq, normalizer, cu_seqlens, padded_shape, device, name):
+    """Checks that every term of cfg has its input; returns (positive flags [S] or None, normalizer tensor or
+    None, divisor) with the divisor policy_loss's finalize uses (0.0: the mode's default)."""
+    if cfg.tis_mode != "none" and roll is None:
+        raise ValueError(f"tis_mode={cfg.tis_mode!r} needs rollout_logp (the rollout engine's log-probabilities)")
+    if cfg.beta != 0.0 and ref is None:
+        raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference policy's log-probabilities)")
+    pos = _positive_flags(positive, nseq, device)
+    if cfg.nll_coef != 0.0 and pos is None:
+        raise ValueError(f"nll_coef={cfg.nll_coef} needs positive (one flag per sequence: rewarded positively or not)")
+    norm_t, divisor = parse_normalizer(normalizer, device, name)
+    if normalizer is None and cfg.normalizer is not None:
+        divisor = float(cfg.normalizer)
+    if cfg.loss_agg_mode == "seq-mean-token-sum-norm" and norm_t is None and divisor == 0.0:
+        if cu_seqlens is not None:
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' divides by a constant; with packed inputs pass it as "
+                "normalizer (e.g. the maximum response length, times the number of sequences for TRL dr_grpo)"
+            )
+        divisor = float(padded_shape[1])  # the padded length, as verl does
+    return pos, norm_t, divisor
+
+
+def config_scalars(cfg):
+    """The op schema's config scalars, in order: eps_low ... entropy_coef (nll_coef travels apart)."""
+    return (float(cfg.eps_low), float(cfg.eps_high), float(cfg.dual_clip or 0.0), cfg.importance_sampling_level,
+            cfg.tis_mode, float(cfg.tis_min), float(cfg.tis_max), cfg.tis_sequence_reduce, cfg.loss_agg_mode,
+            float(cfg.beta), float(cfg.entropy_coef))
+
+
 def _check_finite(loss, inputs, mask):
     """After the op: one host sync; a non-finite loss is traced back to the input that caused it."""
     if bool(torch.isfinite(loss)):
@@ -235,33 +265,16 @@ def policy_loss(
     (lp, old, adv, m, cu, roll, ref, ent, uniform_len) = _canonical(
         logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy
     )
-    if cfg.tis_mode != "none" and roll is None:
-        raise ValueError(f"tis_mode={cfg.tis_mode!r} needs rollout_logp (the rollout engine's log-probabilities)")
-    if cfg.beta != 0.0 and ref is None:
-        raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference policy's log-probabilities)")
     if cfg.entropy_coef != 0.0 and ent is None:
         raise ValueError(f"entropy_coef={cfg.entropy_coef} needs entropy")
-    pos = _positive_flags(positive, cu.numel() - 1, lp.device)
-    if cfg.nll_coef != 0.0 and pos is None:
-        raise ValueError(f"nll_coef={cfg.nll_coef} needs positive (one flag per sequence: rewarded positively or not)")
-    norm_t, divisor = parse_normalizer(normalizer, lp.device, "logp")
-    if normalizer is None and cfg.normalizer is not None:
-        divisor = float(cfg.normalizer)
-    if cfg.loss_agg_mode == "seq-mean-token-sum-norm" and norm_t is None and divisor == 0.0:
-        if cu_seqlens is not None:
-            raise ValueError(
-                "loss_agg_mode='seq-mean-token-sum-norm' divides by a constant; with packed inputs pass it as "
-                "normalizer (e.g. the maximum response length, times the number of sequences for TRL dr_grpo)"
-            )
-        divisor = float(logp.shape[1])  # the padded length, as verl does
+    pos, norm_t, divisor = _loss_inputs(cfg, roll, ref, positive, cu.numel() - 1, normalizer, cu_seqlens,
+                                        logp.shape, lp.device, "logp")
     checks = value_checks_enabled()
     if checks and cu_seqlens is not None:
         check_cu_seqlens(cu, lp.numel())
     loss, mvec, _, _, _, _ = torch.ops.flashrl.policy_loss(
-        lp, old, adv, m, cu, roll, ref, ent, norm_t,
-        float(cfg.eps_low), float(cfg.eps_high), float(cfg.dual_clip or 0.0), cfg.importance_sampling_level,
-        cfg.tis_mode, float(cfg.tis_min), float(cfg.tis_max), cfg.tis_sequence_reduce, cfg.loss_agg_mode,
-        float(cfg.beta), float(cfg.entropy_coef), divisor, int(uniform_len), pos, float(cfg.nll_coef),
+        lp, old, adv, m, cu, roll, ref, ent, norm_t, *config_scalars(cfg), divisor, int(uniform_len), pos,
+        float(cfg.nll_coef),
     )
     if checks:
         _check_finite(loss, (("logp", lp), ("old_logp", old), ("advantages", adv), ("rollout_logp", roll),

@@ -193,6 +193,20 @@ def linear_logprobs_stats(hidden, weight, bias, target_local, temperature, retur
     return stats_loop(hidden, weight, bias, target_local, temperature, return_entropy)
 
 
+def merge_over_group(m, s, w, zt, group):
+    """Row statistics (m, s, w, zt) of the whole vocabulary from each rank's slice (vocab-parallel)."""
+    import torch.distributed as dist
+
+    m_glob = m.clone()
+    dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
+    m_ref = torch.where(torch.isneginf(m_glob), torch.zeros_like(m_glob), m_glob)
+    scale = torch.exp(m - m_ref)
+    shift = torch.where(s > 0, s * (m - m_ref), torch.zeros_like(s))
+    packed = torch.stack([s * scale, (w + shift) * scale, zt])
+    dist.all_reduce(packed, group=group)
+    return m_glob, packed[0], packed[1], packed[2]
+
+
 # ---- backward ----
 
 def _bwd_epilogue_torch(z, bias_c, tgt_c, temperature, lse, ent, g_lp, g_h, out_dtype):

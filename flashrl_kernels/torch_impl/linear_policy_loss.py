@@ -36,7 +36,7 @@ import torch
 
 from .._backend import implementation
 from .._cpu_gemm import widen_cpu_gemm
-from .linear_logprobs import _add_mm, _bwd_epilogue_torch, _fwd_epilogue_torch, _mm_f32, _ranges
+from .linear_logprobs import _add_mm, _bwd_epilogue_torch, _fwd_epilogue_torch, _mm_f32, _ranges, merge_over_group
 
 _DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
 _CPU_VOCAB_BLOCK_BYTES = 4 << 20  # GEMM temporaries of the bf16 -> fp32 logits copy and widened W blocks
@@ -228,7 +228,7 @@ def fused_policy_loss(
         kernels.stats(z, bias, tgt_c, temperature, m, s, w, zt)
         m_local = m  # the maxima a stats epilogue that shifts z in place (torch) used
         if group is not None:
-            m, s, w, zt = _merge_over_group(m, s, w, zt, group)
+            m, s, w, zt = merge_over_group(m, s, w, zt, group)
         log_s = torch.log(s)
         lse = m + log_s
         return zt - lse, log_s - w / s, lse, m_local
@@ -347,25 +347,12 @@ def fused_policy_loss(
     return loss, metrics, logp_mean, gh_out, gw_out, gb_out, logp_buf, ent_buf
 
 
-def _merge_over_group(m, s, w, zt, group):
-    """Row statistics of the whole vocabulary from each rank's slice (as linear_token_logprobs merges them)."""
-    import torch.distributed as dist
+def forward_with(kernels: ChunkKernels):
+    """A backend's `linear_policy_loss_forward`: the shared loop with that backend's chunk epilogues."""
+    def linear_policy_loss_forward(*args, **group_args):
+        return fused_policy_loss(kernels, *args, **group_args)
 
-    m_glob = m.clone()
-    dist.all_reduce(m_glob, op=dist.ReduceOp.MAX, group=group)
-    m_ref = torch.where(torch.isneginf(m_glob), torch.zeros_like(m_glob), m_glob)
-    scale = torch.exp(m - m_ref)
-    shift = torch.where(s > 0, s * (m - m_ref), torch.zeros_like(s))
-    packed = torch.stack([s * scale, (w + shift) * scale, zt])
-    dist.all_reduce(packed, group=group)
-    return m_glob, packed[0], packed[1], packed[2]
+    return linear_policy_loss_forward
 
 
-def linear_policy_loss_forward(hidden, weight, bias, targets, old_logp, advantages, mask, cu_seqlens, rollout_logp,
-                               ref_logp, normalizer, positive, scalars, nll_coef, divisor, uniform_len, temperature,
-                               need_hidden, need_weight, need_bias, fp32_accumulate, **group_args):
-    return fused_policy_loss(
-        TORCH_KERNELS, hidden, weight, bias, targets, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp,
-        normalizer, positive, scalars, nll_coef, divisor, uniform_len, temperature, need_hidden, need_weight,
-        need_bias, fp32_accumulate, **group_args,
-    )
+linear_policy_loss_forward = forward_with(TORCH_KERNELS)

@@ -117,9 +117,10 @@ def _fwd_epilogue(z, bias_c, tgt_c, temperature, return_entropy, m, s, w, zt):
     )
 
 
-def _bwd_epilogue(z, bias_c, tgt_c, temperature, lse, ent, g_lp, g_h, out_dtype):
+def _bwd_epilogue(z, bias_c, tgt_c, temperature, lse, ent, g_lp, g_h, out_dtype, out=None):
+    """dZ of the tile into `out` (may be z itself) or a new tensor of out_dtype."""
     rows, cols = z.shape
-    dz = torch.empty((rows, cols), dtype=out_dtype, device=z.device)
+    dz = torch.empty((rows, cols), dtype=out_dtype, device=z.device) if out is None else out
     has_gh = g_h is not None
     _linear_bwd_tile_kernel[(rows,)](
         z, z.stride(0), bias_c if bias_c is not None else z, tgt_c, lse, ent if has_gh else lse,

@@ -262,12 +262,11 @@ def fused_policy_loss(
                       *scalars, 0.0, ul, None, 0.0)
         _, _, g_tok, g_ent, seq_coef, scale = out
         g_lp, g_ent_t = pol_bwd(one, g_tok, g_ent, seq_coef, msk, cu_c, scale, ul)
-        idx = (torch.arange(a, b, device=dev) if dense else rows[a:b]) - t0
+        idx = slice(a - t0, b - t0) if dense else rows[a:b] - t0
         g_lp = g_lp[idx].float()
         if nll_tok is not None:
             g_lp = g_lp + nll_tok[a:b]
-        g_h = g_ent_t[idx].float() if entropy_coef != 0.0 else None
-        return g_lp.contiguous(), None if g_h is None else g_h.contiguous()
+        return g_lp, (g_ent_t[idx].float() if entropy_coef != 0.0 else None)
 
     def gradients(a, b, h_c, tgt_c, z, m_loc, g_lp, g_h):
         """dZ and the two gradient GEMMs, one vocab block at a time: each W block is read from memory once
@@ -277,7 +276,7 @@ def fused_policy_loss(
         first = not gw_started[0]
         gw_started[0] = True
         h_g = h_c.float() if widen else h_c
-        lse_c, ent_c = lse_rows[a:b], ent_buf[rs].contiguous()
+        lse_c, ent_c = lse_rows[a:b], ent_buf[rs]
         gh_acc = torch.zeros((c, hdim), dtype=f32, device=dev) if need_hidden and gh_blocked else None
         for v0, v1 in _ranges(v_local, gblock):
             z_b = z[:, v0:v1]

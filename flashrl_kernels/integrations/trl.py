@@ -270,12 +270,12 @@ def _fused_head_loss(head, completion_mask, mask, old, effective_adv, cfg, kwarg
     cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     b, t = completion_mask.shape
     adv = effective_adv.expand(b, t)[labelled]  # [B, 1] or [B, T] (TRL's factors) -> per completion token
-    packed = {k: v[labelled] for k, v in kwargs.items()}
+    ref = kwargs.get("ref_logp")  # the only extra input on this path (the bias-corrected KL does not fuse)
     out, lp, ent = linear_policy_loss(
         head["hidden"], head["weight"], head["targets"], None if old is None else old[labelled], adv,
         bias=head["bias"], mask=mask.bool()[labelled], cu_seqlens=cu, temperature=head["temperature"],
         config=LossConfig(**cfg), normalizer=normalizer, return_logprobs=True,
-        ref_logp=packed.get("ref_logp"),
+        ref_logp=None if ref is None else ref[labelled],
     )
     logp = lp.new_zeros(b, t).masked_scatter(labelled, lp)
     entropies = ent.new_zeros(b, t).masked_scatter(labelled, ent)

@@ -172,6 +172,26 @@ def test_widened_bf16_gemm_path(backend, monkeypatch):
             _close(gb, ref[6], 3e-2, "grad_bias")
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "native"])  # native keeps bf16 logits
+def test_fp32_logits_straight_from_the_gemm(backend, monkeypatch):
+    """The GPU form (fp32 chunk logits as the GEMM's own output, no chunk buffer), forced on the CPU."""
+    from flashrl_kernels.torch_impl import linear_policy_loss as impl
+
+    monkeypatch.setattr(impl, "_DIRECT_F32_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv("FLASHRL_CPU_GEMM_DTYPE", "input")
+    monkeypatch.setenv("FLASHRL_POLICY_CHUNK_ROWS", "5")
+    cfg = CONFIGS["tis_token_kl_entropy"]
+    p = _problem(b=4, t=9, h=32, v=301, seed=13)
+    with fk.use_backend(backend):
+        out, logp, _, gh, gw, gb = _fused(p, cfg, dtype=torch.bfloat16)
+        monkeypatch.setattr(impl, "_DIRECT_F32_DEVICES", ("cuda",))
+        ref, ref_logp, _, rgh, rgw, rgb = _fused(p, cfg, dtype=torch.bfloat16)
+    _close(out.loss, ref.loss, 1e-5, "loss")
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    for a, r, what in ((gh, rgh, "grad_hidden"), (gw, rgw, "grad_weight"), (gb, rgb, "grad_bias")):
+        _close(a, r, 1e-2, what)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vocab_not_a_block_multiple(backend, monkeypatch):
     monkeypatch.setenv("FLASHRL_POLICY_CHUNK_ROWS", "6")

@@ -41,6 +41,7 @@ from .linear_logprobs import _add_mm, _bwd_epilogue_torch, _fwd_epilogue_torch, 
 _DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
 _CPU_VOCAB_BLOCK_BYTES = 4 << 20  # GEMM temporaries of the bf16 -> fp32 logits copy and widened W blocks
 _CPU_GRAD_BLOCK_ROWS = 4096  # vocab rows per gradient block on a CPU: a 7 MB bf16 W block at H = 896
+_DIRECT_F32_DEVICES = ("cuda",)  # where fp32 chunk logits come straight from the GEMM (tests add "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,13 +183,17 @@ def fused_policy_loss(
     logp_buf = old32.clone() if old32 is not None else torch.zeros(n, dtype=f32, device=dev)
     ent_buf = torch.zeros(n, dtype=f32, device=dev)
     lse_rows = torch.zeros(m_rows, dtype=f32, device=dev)
-    zbuf = torch.empty((min(c_rows, max(m_rows, 1)), v_local), dtype=z_dtype, device=dev)
+    c_alloc = min(c_rows, max(m_rows, 1))
+    # off the CPU a bf16 / fp16 GEMM writes fp32 logits itself (out_dtype): each chunk's z is the GEMM's own
+    # output (the caching allocator reuses it), no buffer and no copy pass
+    direct_f32 = dev.type in _DIRECT_F32_DEVICES and z_dtype == f32 and dtype != f32 and not widen
+    zbuf = None if direct_f32 else torch.empty((c_alloc, v_local), dtype=z_dtype, device=dev)
     # gradient phase in vocab blocks on a CPU (W block and dZ block stay in cache for both GEMMs)
     gblock = min(v_local, _CPU_GRAD_BLOCK_ROWS) if dev.type == "cpu" else v_local
     gh_blocked = gblock < v_local
     dzbuf = None
     if need_grad and dz_separate:
-        dzbuf = torch.empty((zbuf.shape[0], gblock), dtype=gemm_dtype, device=dev)
+        dzbuf = torch.empty((c_alloc, gblock), dtype=gemm_dtype, device=dev)
     gh_dtype = f32 if (group is not None or widen) else dtype
     gh = None
     if need_hidden:
@@ -200,7 +205,7 @@ def fused_policy_loss(
         gw_acc = torch.zeros((v_local, hdim), dtype=f32, device=dev)
     gw_started = [False]
     gb = torch.zeros(v_local, dtype=f32, device=dev) if need_bias else None
-    vblock = max(256, _CPU_VOCAB_BLOCK_BYTES // (4 * max(hdim, zbuf.shape[0], 1)))
+    vblock = max(256, _CPU_VOCAB_BLOCK_BYTES // (4 * max(hdim, c_alloc, 1)))
     pol_fwd = implementation("policy_loss_forward", dev)
     pol_bwd = implementation("policy_loss_backward", dev)
     one = torch.ones((), dtype=f32, device=dev)
@@ -209,6 +214,8 @@ def fused_policy_loss(
         return slice(a, b) if dense else rows[a:b]
 
     def logits(h_c):
+        if direct_f32:
+            return _mm_f32(h_c, weight.T)
         z = zbuf[: h_c.shape[0]]
         if z.dtype == dtype and not widen:  # one GEMM straight into the chunk buffer
             torch.mm(h_c, weight.T, out=z)

@@ -137,6 +137,15 @@ def test_fp8_subnormal_and_extreme_weights():
         y = torch.ops.flashrl_native.qlinear(eye.to(xd), q, s, None, False)
         ref = scaled_linear_spec(eye.to(xd), q, s)
         assert torch.equal(y.double(), ref.to(xd).double()), xd
+    # decode sizes (M <= 8 bf16 tokens: rows widened in registers, not through the scratch): one-hot tokens
+    # read single weights back exactly, every code at many lane positions, the K tail included
+    g = torch.Generator().manual_seed(11)
+    q6 = torch.stack([codes[torch.randperm(len(codes), generator=g)] for _ in range(6)]).view(torch.float8_e4m3fn)
+    eye = torch.eye(q6.shape[1], dtype=torch.bfloat16)
+    for c0, m in [(c, 8) for c in range(0, q6.shape[1] - 8, 8)] + [(0, 1), (3, 4), (q6.shape[1] - 5, 5)]:
+        x = eye[c0:c0 + m]
+        y = torch.ops.flashrl_native.qlinear(x, q6.contiguous(), torch.ones(6), None, False)
+        assert torch.equal(y.double(), scaled_linear_spec(x, q6, torch.ones(6)).bfloat16().double()), (c0, m)
 
 
 def test_bad_arguments():

@@ -10,17 +10,20 @@
 //
 // Paths (chosen per call; the capability flags come from the library's build, the extensions are
 // checked at run time):
-//   W8A8 INT8, AVX-512 VNNI:   activations quantized per token to u8 = q + 128, vpdpbusd u8 x s8 -> s32,
-//                              the +128 offset removed with sum_k q[n, k] computed by one more vpdpbusd
-//                              per 64 weights (no precomputed row sums, which a sync would have to refresh).
-//                              Integer sums are exact; the product of the two fp32 scales is the only rounding.
-//   weight-only, bf16 x, AVX-512 BF16: each block of 4 rows widened once to bf16 (exact: int8 and e4m3
-//                              fit in bf16) into a per-thread scratch, then vdpbf16ps into fp32 accumulators.
+//   W8A8 INT8, AVX-512 VNNI:   activations quantized per token to s8 codes (with their sum per token),
+//                              weights offset to u8 = q + 128 in registers, vpdpbusd u8 x s8 -> s32, the
+//                              offset removed with 128 * sum_k xq[m, k] (nothing per weight row, which a sync
+//                              would have to refresh). Integer sums are exact; the product of the two fp32
+//                              scales is the only rounding.
+//   weight-only, bf16 x, AVX-512 BF16: rows widened to bf16 (exact: int8 and e4m3 fit in bf16), vdpbf16ps
+//                              into fp32 accumulators; M <= 8 widens in registers inside the dot-product loop
+//                              (drive_decode_bf16), larger M once per block of 4 rows into a per-thread scratch.
 //   weight-only otherwise:     weights widened to fp32, FMA into fp32 accumulators (AVX-512 or AVX2).
 //   bf16_linear:               the same bf16 tiles on a plain bf16 weight's own rows (a model-dtype LM head).
 //   DEFAULT (portable) builds: scalar loops (the Python side prefers ATen there).
-// FP8 e4m3fn is widened through fp16: its bits shifted into an fp16 are the value times 2^-8 (subnormals
-// included), which vcvtph2ps converts exactly; the 2^8 goes into the row scale.
+// FP8 e4m3fn widens to value * 2^-8 (the 2^8 goes into the row scale): to fp32 through fp16 (its bits shifted
+// into an fp16, subnormals included, which vcvtph2ps converts exactly), to bf16 with integer ops only
+// (wload_bf16).
 // Lanes run along K, so every (m, n) needs one horizontal sum at the end of its row. AVX-512 tiles are 4
 // tokens x 4 weight rows, whose 16 sums one transposing tree (hsum16) puts in one vector, so the epilogue
 // is vector code; AVX2 / portable tiles are up to 4 x 2 with a scalar epilogue. See docs/native.md.
@@ -60,6 +63,8 @@ constexpr float kZeroRowAmax = 0x1p-100f;
 // streamed the cold weights at ~15 GB/s on 2 threads and T1 at ~23 GB/s (machine read ceiling ~33),
 // at every distance from 2 to 16 blocks; 4 blocks is ~14 KiB ahead at K = 896, ~78 KiB at K = 4864.
 constexpr int64_t kPrefetchBlocks = 4;
+constexpr int64_t kPrefetchTiles = 3;  // token tiles of a row block that prefetch (see drive512)
+
 
 template <typename T>
 inline float to_f32(T v) {
@@ -190,13 +195,24 @@ FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const int8_t* p) {
   const __m512 lo = wload(p), hi = wload(p + 16);
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
+// e4m3 -> bf16 in integer ops: the sign and the 7 exponent/mantissa bits moved to bf16's positions and the
+// exponent rebiased by 112 give value * 2^-8 for every normal e4m3 (exponent field e >= 1). The e = 0 lanes
+// (zeros and subnormals, m * 2^-9) take their magnitude from an 8-entry table indexed by the low 5 bits of
+// the byte, which are m there; then the sign goes back on. Branch-free: the decode tiles keep 16
+// accumulators in registers around it.
 FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const fp8* p) {
-  const __m512i h = _mm512_and_si512(
-      _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 7),
-      _mm512_set1_epi16(static_cast<short>(0xBF80)));
-  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-  const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-  return _mm512_cvtne2ps_pbh(hi, lo);
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i t = _mm512_slli_epi16(w, 4);
+  const __m512i exp_bits = _mm512_set1_epi16(0x78);
+  const __mmask32 normal = _mm512_test_epi16_mask(w, exp_bits), low = _mm512_testn_epi16_mask(w, exp_bits);
+  __m512i r = _mm512_maskz_add_epi16(normal, _mm512_and_si512(t, _mm512_set1_epi16(0x07F0)),
+                                     _mm512_set1_epi16(112 << 7));
+  // bf16 bits of m * 2^-17 for m = 0..7
+  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0x3860, 0x3840, 0x3820, 0x3800, 0x37C0, 0x3780, 0x3700, 0);
+  r = _mm512_mask_permutexvar_epi16(r, low, w, table);
+  // r | (t & 0x8000): t holds the sign in bit 15 (w is sign-extended)
+  return (__m512bh)_mm512_ternarylogic_epi32(r, t, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
 }
 
 // ------------------------------------------------------------------ W8A8 int8, VNNI
@@ -301,10 +317,11 @@ inline __m512 load16(const T* p) {
 }
 
 // the spec's per-token int8 quantization (scale = fp32(amax / 127), y = fp32(x / scale), round half even,
-// zero rows scale 1; a row with NaN / inf gets scale NaN, which makes its outputs NaN), stored as
-// u8 = q + 128 in rows padded with 128 (q = 0) to ldu
+// zero rows scale 1; a row with NaN / inf gets scale NaN, which makes its outputs NaN), stored as int8 codes
+// in rows padded with 0 to ldu, with each row's code sum in xsum[m] (the tiles' offset correction)
 template <typename T>
-void quantize_tokens_u8(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t ldu, uint8_t* xu, float* xs) {
+void quantize_tokens_s8(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t ldu, int8_t* xq, float* xs,
+                        int32_t* xsum) {
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       const T* r = x + m * ldx;
@@ -322,27 +339,32 @@ void quantize_tokens_u8(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t l
         finite = finite && std::isfinite(v);
         amax = std::max(amax, std::abs(v));
       }
-      uint8_t* u = xu + m * ldu;
+      int8_t* u = xq + m * ldu;
       if (!finite || amax <= kZeroRowAmax) {
-        std::fill(u, u + ldu, uint8_t{128});
+        std::fill(u, u + ldu, int8_t{0});
         xs[m] = finite ? 1.f : std::numeric_limits<float>::quiet_NaN();
+        xsum[m] = 0;
         continue;
       }
       const float s = amax / 127.f;  // fp32 division, correctly rounded
       xs[m] = s;
       const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
-      const __m512i off = _mm512_set1_epi32(128);
+      __m512i vsum = _mm512_setzero_si512();
       for (k = 0; k + 16 <= K; k += 16) {
         __m512 y = _mm512_roundscale_ps(_mm512_div_ps(load16(r + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         y = _mm512_min_ps(hi, _mm512_max_ps(lo, y));
-        const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(y), off);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k), _mm512_cvtusepi32_epi8(qi));
+        const __m512i qi = _mm512_cvtps_epi32(y);
+        vsum = _mm512_add_epi32(vsum, qi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k), _mm512_cvtsepi32_epi8(qi));
       }
+      int32_t total = _mm512_reduce_add_epi32(vsum);
       for (; k < K; ++k) {
         const float q = std::min(127.f, std::max(-128.f, std::nearbyint(to_f32(r[k]) / s)));
-        u[k] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
+        u[k] = static_cast<int8_t>(q);
+        total += static_cast<int32_t>(q);
       }
-      std::fill(u + K, u + ldu, uint8_t{128});
+      std::fill(u + K, u + ldu, int8_t{0});
+      xsum[m] = total;
     }
   });
 }
@@ -471,43 +493,69 @@ FLASHRL_BF16_TARGET inline __m512 bf16_tile(const c10::BFloat16* const* xr, cons
   return k < K ? _mm512_add_ps(r, tail_dots(xr, wr, k, K)) : r;
 }
 
-// sum_k (xq + 128) * q - 128 * sum_k q = sum_k xq * q, exact in int32 for K <= 65536, as fp32 (lane 4 m + j).
-// The row sums sum_k q[j, k] (lane 4 m + j of `wsum`) cost 4 of every 20 vpdpbusd: the first token tile of a
-// row block (kRowSums) computes them, the others of the same block reuse them.
-template <bool kRowSums>
-FLASHRL_VNNI_TARGET inline __m512 vnni_tile(const uint8_t* const* xr, const int8_t* const* wr, int64_t K,
-                                             int64_t pf, __m512i& wsum) {
-  __m512i acc[4][4], cmp[4];
-  FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
-    cmp[j] = _mm512_setzero_si512();
-    FLASHRL_UNROLL for (int m = 0; m < 4; ++m) acc[m][j] = _mm512_setzero_si512();
-  }
-  const __m512i ones = _mm512_set1_epi8(1);
+// vpdpbusd multiplies unsigned by signed bytes: the weights are offset to u8 = q + 128 in registers (an xor,
+// on pipes the dot products leave idle) and the activations stay signed, so
+//   sum_k (q + 128) * xq - 128 * sum_k xq = sum_k q * xq,
+// exact in int32 for K <= 65536, as fp32 (lane 4 m + j). The token code sums come from the quantizer, so
+// nothing per weight row is needed (no row sums a sync would have to refresh) and every vpdpbusd is a product.
+FLASHRL_VNNI_TARGET inline __m512 vnni_tile(const int8_t* const* xr, const int8_t* const* wr, int64_t K,
+                                             int64_t pf, const int32_t* xsum4) {
+  __m512i acc[4][4];
+  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_si512();
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t k_full = K / 64 * 64;
   const __mmask64 tail_mask = (__mmask64{1} << (K - k_full)) - 1;
   for (int64_t k = 0; k < K; k += 64) {
     const __mmask64 mask = k < k_full ? ~__mmask64{0} : tail_mask;
     __m512i wv[4];
     FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
-      wv[j] = _mm512_maskz_loadu_epi8(mask, wr[j] + k);  // zero weights past K: the padding adds 0
-      if constexpr (kRowSums) cmp[j] = _mm512_dpbusd_epi32(cmp[j], ones, wv[j]);
+      // past K: weight 0 (offset 128) times activation padding 0
+      wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wr[j] + k), offset);
       if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, FLASHRL_PREFETCH_HINT);
     }
     FLASHRL_UNROLL for (int m = 0; m < 4; ++m) {
       const __m512i xv = _mm512_loadu_si512(xr[m] + k);  // rows padded to a multiple of 64
-      FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
+      FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], wv[j], xv);
     }
   }
   __m512i flat[16];
   FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
     FLASHRL_UNROLL for (int j = 0; j < 4; ++j) flat[4 * m + j] = acc[m][j];
-  if constexpr (kRowSums) {
-    __m512i sums[16];
-    FLASHRL_UNROLL for (int i = 0; i < 16; ++i) sums[i] = i < 4 ? cmp[i] : _mm512_setzero_si512();
-    wsum = _mm512_broadcast_i32x4(_mm512_castsi512_si128(hsum16(sums)));
+  const __m512i lane_token = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i corr = _mm512_permutexvar_epi32(lane_token, _mm512_castsi128_si512(_mm_loadu_si128(
+                                                                 reinterpret_cast<const __m128i*>(xsum4))));
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(hsum16(flat), _mm512_slli_epi32(corr, 7)));
+}
+
+// writes one tile's 16 dot products (lane 4 m + j: token m0 + m, row n0 + j) as
+// y = dot * scale[row] (* xs[token]) + bias[row], for the mt tokens and the rows in nmask
+template <typename Out>
+inline void store_tile(__m512 dots, __m512 colscale, __m512 colbias, const float* xs, int64_t m0, int64_t mt,
+                       __mmask8 nmask, Out* yr, int64_t N) {
+  __m512 v = _mm512_mul_ps(dots, colscale);
+  if (xs) {
+    const __m512i xs_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m128 s4 = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << mt) - 1), xs + m0);
+    v = _mm512_mul_ps(v, _mm512_permutexvar_ps(xs_idx, _mm512_castps128_ps512(s4)));
   }
-  const __m512i d = _mm512_sub_epi32(hsum16(flat), _mm512_slli_epi32(wsum, 7));
-  return _mm512_cvtepi32_ps(d);
+  v = _mm512_add_ps(v, colbias);
+  const int64_t nb = __builtin_popcount(nmask);
+  if constexpr (std::is_same_v<Out, float>) {
+    alignas(64) float buf[16];
+    _mm512_store_ps(buf, v);
+    for (int64_t m = 0; m < mt; ++m) _mm_mask_storeu_ps(yr + m * N, nmask, _mm_load_ps(buf + 4 * m));
+  } else if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+    alignas(32) uint16_t buf[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(buf), at::vec::cvtfp32_bf16(v));
+    for (int64_t m = 0; m < mt; ++m)
+      _mm_mask_storeu_epi16(yr + m * N, nmask, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(buf + 4 * m)));
+  } else {
+    alignas(64) float buf[16];
+    _mm512_store_ps(buf, v);
+    for (int64_t m = 0; m < mt; ++m)
+      for (int64_t j = 0; j < nb; ++j) yr[m * N + j] = static_cast<Out>(buf[4 * m + j]);
+  }
 }
 
 // y[m0 + m, n0 + j] = dot * xs[m0 + m] * scale[n0 + j] + bias[n0 + j] for every tile, tiles over threads by rows
@@ -517,7 +565,6 @@ template <typename Out, typename X, typename W, typename Rows, typename Tile>
 void drive512(int64_t M, int64_t N, int64_t K, const X* x, int64_t ldx, const float* xs, const float* scale,
               const float* bias, Out* y, Rows&& make_rows, Tile&& tile, int64_t ldw_bytes) {
   const int64_t nblocks = (N + 3) / 4;
-  const __m512i xs_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   for (int64_t mc = 0; mc < M; mc += kMChunk) {
     const int64_t mend = std::min(M, mc + kMChunk);
     at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
@@ -530,35 +577,17 @@ void drive512(int64_t M, int64_t N, int64_t K, const X* x, int64_t ldx, const fl
         const __m512 colscale = scale ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, scale + n0))
                                       : _mm512_set1_ps(1.f);
         const __m512 colbias = bias ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, bias + n0)) : _mm512_setzero_ps();
-        __m512i block_state = _mm512_setzero_si512();  // what a tile keeps for the next token tiles of this block
         for (int64_t m0 = mc; m0 < mend; m0 += 4) {
           const int64_t mt = std::min<int64_t>(4, mend - m0);
           const X* xr[4];
           for (int m = 0; m < 4; ++m) xr[m] = x + (m0 + (m < mt ? m : 0)) * ldx;
-          // the first token tile of a row block prefetches the block kPrefetchBlocks ahead, a line per weight load
-          const int64_t pf = (m0 == mc && b + kPrefetchBlocks < b1) ? kPrefetchBlocks * 4 * ldw_bytes : 0;
-          __m512 v = _mm512_mul_ps(tile(xr, wr, K, pf, m0 == mc, block_state), colscale);
-          if (xs) {
-            const __m128 s4 = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << mt) - 1), xs + m0);
-            v = _mm512_mul_ps(v, _mm512_permutexvar_ps(xs_idx, _mm512_castps128_ps512(s4)));
-          }
-          v = _mm512_add_ps(v, colbias);
-          Out* yr = y + m0 * N + n0;
-          if constexpr (std::is_same_v<Out, float>) {
-            alignas(64) float buf[16];
-            _mm512_store_ps(buf, v);
-            for (int64_t m = 0; m < mt; ++m) _mm_mask_storeu_ps(yr + m * N, nmask, _mm_load_ps(buf + 4 * m));
-          } else if constexpr (std::is_same_v<Out, c10::BFloat16>) {
-            alignas(32) uint16_t buf[16];
-            _mm256_store_si256(reinterpret_cast<__m256i*>(buf), at::vec::cvtfp32_bf16(v));
-            for (int64_t m = 0; m < mt; ++m)
-              _mm_mask_storeu_epi16(yr + m * N, nmask, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(buf + 4 * m)));
-          } else {
-            alignas(64) float buf[16];
-            _mm512_store_ps(buf, v);
-            for (int64_t m = 0; m < mt; ++m)
-              for (int64_t j = 0; j < nb; ++j) yr[m * N + j] = static_cast<Out>(buf[4 * m + j]);
-          }
+          // token tile t < kPrefetchTiles of a row block prefetches the block (t + 1) * kPrefetchBlocks ahead, a
+          // line per weight load: the first tile's prefetches stay kPrefetchBlocks ahead, the later tiles' keep
+          // the memory busy while they compute on rows already in L1 (their prefetches of blocks the first tile
+          // will ask for again make those requests hits)
+          const int64_t tix = (m0 - mc) / 4, dist = kPrefetchBlocks * (1 + tix);
+          const int64_t pf = (tix < kPrefetchTiles && b + dist < b1) ? dist * 4 * ldw_bytes : 0;
+          store_tile(tile(xr, wr, K, pf, m0), colscale, colbias, xs, m0, mt, nmask, y + m0 * N + n0, N);
         }
       }
     });
@@ -579,10 +608,20 @@ struct WidenedRows {  // rows widened to W (fp32 or bf16) into a per-task scratc
   const Q* w;
   int64_t ldw, K, N;
   std::vector<W> buf;
+  W* rows = nullptr;
+  int64_t ld = 0;
   void operator()(int64_t n0, int64_t nb, const W** wr) {
-    buf.resize(static_cast<size_t>(4 * K));
+    if (rows == nullptr) {
+      // every scratch row starts on a cache line: the widening writes whole 64-byte vectors, and one that
+      // straddles two lines costs two stores (measured: a third of the fp8 widening time unaligned)
+      constexpr int64_t kLine = 64 / int64_t{sizeof(W)};
+      ld = (K + kLine - 1) / kLine * kLine;
+      buf.resize(static_cast<size_t>(4 * ld + kLine));
+      const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
+      rows = reinterpret_cast<W*>((addr + 63) / 64 * 64);
+    }
     for (int j = 0; j < 4; ++j) {
-      W* dst = buf.data() + j * K;
+      W* dst = rows + j * ld;
       if (j < nb) {
         // the source block kPrefetchBlocks ahead is asked for while this one is widened
         const int64_t pf = n0 + 4 * (kPrefetchBlocks + 1) <= N ? kPrefetchBlocks * 4 * ldw * int64_t{sizeof(Q)} : 0;
@@ -592,10 +631,124 @@ struct WidenedRows {  // rows widened to W (fp32 or bf16) into a per-task scratc
           widen_row_bf16(w + (n0 + j) * ldw, K, dst, pf);
         }
       }
-      wr[j] = j < nb ? dst : buf.data();
+      wr[j] = j < nb ? dst : rows;
     }
   }
 };
+
+// ------------------------------------------------------------------ weight-only decode (M <= 8), bf16 dots
+// Widening through a scratch (WidenedRows) stores every widened vector and loads it back per token tile, and
+// its widening loop cannot overlap the dot products of the tiles. At decode sizes the dot products are few
+// enough that this doubled the kernel's time (fp8, 8 tokens). These tiles widen the stored rows in registers
+// inside the dot-product loop: for M <= 4 one 4 x 4 tile; for 4 < M <= 8 two passes over K per row block,
+// each widening 2 rows once for all 8 tokens (16 accumulators). K's tail goes through zero-padded copies.
+
+// 32 weights of row w from k (fewer at the tail, zero past K), widened to bf16 (times kVecWeightFactor)
+template <typename Q>
+FLASHRL_BF16_TARGET inline __m512bh wload_bf16_tail(const Q* w, int64_t k, int64_t K) {
+  alignas(64) Q buf[32] = {};
+  for (int64_t t = k; t < K; ++t) buf[t - k] = w[t];
+  return wload_bf16(buf);
+}
+FLASHRL_BF16_TARGET inline __m512bh xload_bf16(const c10::BFloat16* x, int64_t k, int64_t K, bool tail) {
+  if (!tail) return (__m512bh)_mm512_loadu_si512(x + k);
+  return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1), x + k);
+}
+
+// 4 tokens x 4 rows, rows widened in registers: the 16 sums in lane 4 m + j
+template <typename Q>
+FLASHRL_BF16_TARGET inline __m512 decode_tile4(const c10::BFloat16* const* xr, const Q* const* wr, int64_t K,
+                                                int64_t pf) {
+  __m512 acc[4][4];
+  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, bool tail) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) {
+    __m512bh wv[4];
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
+      wv[j] = tail ? wload_bf16_tail(wr[j], k, K) : wload_bf16(wr[j] + k);
+      if (pf && (k * int64_t{sizeof(Q)}) % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, FLASHRL_PREFETCH_HINT);
+    }
+    FLASHRL_UNROLL for (int m = 0; m < 4; ++m) {
+      const __m512bh xv = xload_bf16(xr[m], k, K, tail);
+      FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step(k, false);
+  if (k < K) step(k, true);
+  __m512 flat[16];
+  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) flat[4 * m + j] = acc[m][j];
+  return hsum16(flat);
+}
+
+// 8 tokens x 2 rows, rows widened in registers: the 16 sums in lane 2 m + j
+template <typename Q>
+FLASHRL_BF16_TARGET inline __m512 decode_pass8(const c10::BFloat16* const* xr, const Q* w0, const Q* w1, int64_t K,
+                                                int64_t pf) {
+  __m512 acc[8][2];
+  FLASHRL_UNROLL for (int m = 0; m < 8; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, bool tail) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) {
+    const __m512bh a = tail ? wload_bf16_tail(w0, k, K) : wload_bf16(w0 + k);
+    const __m512bh b = tail ? wload_bf16_tail(w1, k, K) : wload_bf16(w1 + k);
+    if (pf && (k * int64_t{sizeof(Q)}) % 64 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + k) + pf, FLASHRL_PREFETCH_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + k) + pf, FLASHRL_PREFETCH_HINT);
+    }
+    FLASHRL_UNROLL for (int m = 0; m < 8; ++m) {
+      const __m512bh xv = xload_bf16(xr[m], k, K, tail);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, a);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, b);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step(k, false);
+  if (k < K) step(k, true);
+  __m512 flat[16];
+  FLASHRL_UNROLL for (int m = 0; m < 8; ++m) {
+    flat[2 * m] = acc[m][0];
+    flat[2 * m + 1] = acc[m][1];
+  }
+  return hsum16(flat);
+}
+
+// y = x @ (q * scale).T + bias for M <= 8 bf16 tokens, weight-only; row blocks of 4 over threads
+template <typename Q>
+FLASHRL_BF16_TARGET void drive_decode_bf16(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx,
+                                           const Q* w, int64_t ldw, const float* scale, const float* bias,
+                                           c10::BFloat16* y) {
+  const int64_t nblocks = (N + 3) / 4;
+  // lanes 2 m + j of pass A (rows 0-1) and B (rows 2-3) to lane 4 m + j of tokens 0-3 (lo) and 4-7 (hi)
+  alignas(64) int32_t lo_idx[16], hi_idx[16];
+  for (int m = 0; m < 4; ++m)
+    for (int j = 0; j < 4; ++j) {
+      lo_idx[4 * m + j] = j < 2 ? 2 * m + j : 16 + 2 * m + j - 2;
+      hi_idx[4 * m + j] = 8 + lo_idx[4 * m + j];
+    }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = 4 * b, nb = std::min<int64_t>(4, N - n0);
+      const __mmask8 nmask = static_cast<__mmask8>((1u << nb) - 1);
+      const Q* wr[4];
+      for (int j = 0; j < 4; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * ldw;
+      const __m512 colscale = _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, scale + n0));
+      const __m512 colbias = bias ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, bias + n0)) : _mm512_setzero_ps();
+      const int64_t pf = b + kPrefetchBlocks < b1 ? kPrefetchBlocks * 4 * ldw * int64_t{sizeof(Q)} : 0;
+      const c10::BFloat16* xr[8];
+      for (int m = 0; m < 8; ++m) xr[m] = x + (m < M ? m : 0) * ldx;
+      if (M <= 4) {
+        store_tile(decode_tile4(xr, wr, K, pf), colscale, colbias, nullptr, 0, M, nmask, y + n0, N);
+      } else {
+        const __m512 pa = decode_pass8(xr, wr[0], wr[1], K, pf), pb = decode_pass8(xr, wr[2], wr[3], K, pf);
+        store_tile(_mm512_permutex2var_ps(pa, lo, pb), colscale, colbias, nullptr, 0, 4, nmask, y + n0, N);
+        store_tile(_mm512_permutex2var_ps(pa, hi, pb), colscale, colbias, nullptr, 4, M - 4, nmask, y + 4 * N + n0,
+                   N);
+      }
+    }
+  });
+}
 
 template <typename Out>
 void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, const float* bias, bool act_quant,
@@ -604,16 +757,15 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
   Out* yp = y.data_ptr<Out>();
   if (act_quant) {  // int8 W8A8 (checked by the caller)
     const int64_t ldu = (K + 63) / 64 * 64;
-    std::vector<uint8_t> xu(static_cast<size_t>(M * ldu));
+    std::vector<int8_t> xq(static_cast<size_t>(M * ldu));
     std::vector<float> xs(static_cast<size_t>(M));
-    quantize_tokens_u8(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xu.data(), xs.data());
+    std::vector<int32_t> xsum(static_cast<size_t>(M + 4));  // + 4: a partial tile's unused lanes read past M
+    quantize_tokens_s8(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xq.data(), xs.data(), xsum.data());
     const StoredRows<int8_t> rows{q.const_data_ptr<int8_t>(), ldw};
-    drive512<Out, uint8_t, int8_t>(M, N, K, xu.data(), ldu, xs.data(), scale, bias, yp, [&] { return rows; },
-                                   [](const uint8_t* const* xr, const int8_t* const* wr, int64_t k, int64_t pf,
-                                      bool first, __m512i& wsum) {
-                                     return first ? vnni_tile<true>(xr, wr, k, pf, wsum)
-                                                  : vnni_tile<false>(xr, wr, k, pf, wsum);
-                                   }, ldw);
+    const int32_t* sums = xsum.data();
+    drive512<Out, int8_t, int8_t>(M, N, K, xq.data(), ldu, xs.data(), scale, bias, yp, [&] { return rows; },
+                                  [sums](const int8_t* const* xr, const int8_t* const* wr, int64_t k, int64_t pf,
+                                         int64_t m0) { return vnni_tile(xr, wr, k, pf, sums + m0); }, ldw);
     return;
   }
   auto weight_only = [&](auto qtag) {
@@ -623,11 +775,15 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
     std::vector<float> sc(scale, scale + N);
     for (float& v : sc) v /= kVecWeightFactor<Q>;
     if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+      if (kHasBf16 && M <= 8) {  // decode: rows widened in registers (drive_decode_bf16)
+        drive_decode_bf16<Q>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), w, ldw, sc.data(), bias, yp);
+        return;
+      }
       if (kHasBf16) {
         drive512<Out, c10::BFloat16, c10::BFloat16>(
             M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), nullptr, sc.data(), bias, yp,
-            [&] { return WidenedRows<Q, c10::BFloat16>{w, ldw, K, N, {}}; },
-            [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t, bool, __m512i&) {
+            [&] { return WidenedRows<Q, c10::BFloat16>{w, ldw, K, N}; },
+            [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t, int64_t) {
               return bf16_tile(xr, wr, k, 0);  // a widened scratch: the widening prefetches the source rows
             }, 0);
         return;
@@ -645,8 +801,8 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
       xf = xf_buf.data();
     }
     drive512<Out, float, float>(M, N, K, xf, ldx, nullptr, sc.data(), bias, yp,
-                                [&] { return WidenedRows<Q, float>{w, ldw, K, N, {}}; },
-                                [](const float* const* xr, const float* const* wr, int64_t k, int64_t, bool, __m512i&) {
+                                [&] { return WidenedRows<Q, float>{w, ldw, K, N}; },
+                                [](const float* const* xr, const float* const* wr, int64_t k, int64_t, int64_t) {
                                   return fma_tile(xr, wr, k);
                                 }, 0);
   };
@@ -738,7 +894,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
     drive512<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
         M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), nullptr, nullptr, bp, y.data_ptr<c10::BFloat16>(),
         [&] { return rows; },
-        [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t pf, bool, __m512i&) {
+        [](const c10::BFloat16* const* xr, const c10::BFloat16* const* wr, int64_t k, int64_t pf, int64_t) {
           return bf16_tile(xr, wr, k, pf);
         }, w.stride(0) * 2);
     return y;
@@ -749,8 +905,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   const int64_t ldw = w.stride(0);
   drive512<c10::BFloat16, float, float>(
       M, N, K, xf.data(), K, nullptr, nullptr, bp, y.data_ptr<c10::BFloat16>(),
-      [&] { return WidenedRows<c10::BFloat16, float>{wp, ldw, K, N, {}}; },
-      [](const float* const* xr, const float* const* wr, int64_t k, int64_t, bool, __m512i&) {
+      [&] { return WidenedRows<c10::BFloat16, float>{wp, ldw, K, N}; },
+      [](const float* const* xr, const float* const* wr, int64_t k, int64_t, int64_t) {
         return fma_tile(xr, wr, k);
       }, 0);
 #elif defined(CPU_CAPABILITY_AVX2)

@@ -231,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated, from decode8,decode32,prefill (default: all)")
     ro.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="enforce_eager for the engines (default: eager; --no-eager: vLLM's compiled mode)")
+    ro.add_argument("--engine-mode", default="inproc", choices=("inproc", "mp", "tp2"),
+                    help="inproc: in-process engine (default; VLLM_ENABLE_V1_MULTIPROCESSING=0); mp: vLLM's default "
+                         "multi-process engine; tp2: tensor parallel 2 with the mp executor, one CPU set per rank "
+                         "(VLLM_CPU_OMP_THREADS_BIND, default: this process's CPUs split in two)")
     ro.add_argument("--quant-options", default=None, metavar="JSON",
                     help="options for the flashrl engines, passed as hf_overrides={'quantization_config_dict_json': "
                          "JSON}, e.g. '{\"activation_quant\": \"dynamic\"}'")

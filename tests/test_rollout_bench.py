@@ -39,8 +39,11 @@ def test_op_rollout_goes_to_its_own_main_not_the_harness(monkeypatch):
     assert (args.layers, args.hidden, args.engines, args.cases) == (1, 128, "bf16", "prefill")
     assert args.eager is False and args.quick and args.repeats is None
     assert json.loads(args.quant_options) == {"activation_quant": "none"}
+    assert args.engine_mode == "inproc"
     assert cli.main(["bench", "--op", "rollout"]) == 0
     assert seen[-1].eager is True and seen[-1].layers is None and seen[-1].hidden is None  # rollout's defaults
+    assert cli.main(["bench", "--op", "rollout", "--engine-mode", "tp2"]) == 0
+    assert seen[-1].engine_mode == "tp2"
 
 
 def test_rollout_beside_harness_ops_gets_its_own_json(monkeypatch, tmp_path):
@@ -58,6 +61,15 @@ def test_rollout_bad_arguments_exit_2(capsys):
     assert cli.main(["bench", "--op", "rollout", "--engines", "bf16,int4"]) == 2
     assert "int4" in capsys.readouterr().err
     assert cli.main(["bench", "--op", "rollout", "--cases", "decode8", "--quant-options", "{not json"]) == 2
+
+
+def test_tp_thread_binding_splits_this_process_cpus(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2, 5}, raising=False)
+    assert rb.tp_thread_binding(2) == "0,1|2,3"  # equal runs; the odd CPU out stays free
+    assert rb.tp_thread_binding(1) == "0,1,2,3,5"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7}, raising=False)
+    with pytest.raises(ValueError, match="needs 2 CPUs"):
+        rb.tp_thread_binding(2)
 
 
 def test_model_shapes_scale_with_hidden():
@@ -99,3 +111,24 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
             assert r["vs_bf16"] > 0
             assert 0 < r["mean_abs_dlogp"] <= r["max_abs_dlogp"] < 1.0  # INT8 weights: small, nonzero error
     assert "flashrl_int8" in proc.stdout and "KL est." in proc.stdout
+
+
+def test_quick_rollout_bench_tensor_parallel(tmp_path):
+    """--engine-mode tp2: vLLM's mp executor, two ranks, each quantizing its shard; the run reports its mode."""
+    pytest.importorskip("vllm", exc_type=ImportError)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("tensor parallel 2 binds one CPU per rank: this process may use only one")
+    out = tmp_path / "rollout.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                                            "VLLM_CPU_OMP_THREADS_BIND")}
+    env.update(FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
+           "--repeats", "1", "--engines", "flashrl_int8", "--cases", "decode8", "--engine-mode", "tp2",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["engine_mode"] == "tp2"
+    (row,) = data["rows"]
+    assert row["error"] is None and row["tokens"] == 8 * 16 and row["tokens_per_s"] > 0, row
+    assert "tensor parallel 2" in proc.stdout

@@ -17,10 +17,13 @@ bench/sync_bench.py uses; the 896-wide checkpoints are shared with it). `--layer
 H * 4864 / 896 rounded to a multiple of 64. `--quick`: 2 layers, hidden 128 (4 heads of 32, 2 KV heads,
 intermediate 704), the full vocabulary.
 
-Engines: in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one at a time (built, all cases run, deleted, then
-the next), `vllm.LLM(path, quantization=None | "flashrl_int8" | "flashrl_fp8", dtype="bfloat16",
-enforce_eager=True, max_model_len=1024, max_num_seqs=32, kv_cache_memory_bytes=256 MiB (32 MiB quick),
-enable_prefix_caching=False, seed=0, logprobs_mode="processed_logprobs")`. `--no-eager` builds them with
+Engines: one at a time (built, all cases run, shut down, then the next), in-process by default
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`); `--engine-mode mp` runs vLLM's default multi-process engine (the engine core in
+its own process) and `--engine-mode tp2` tensor parallel 2 with the mp executor (`distributed_executor_backend="mp"`,
+one OpenMP CPU set per rank from VLLM_CPU_OMP_THREADS_BIND, default: this process's CPUs split in two).
+`vllm.LLM(path, quantization=None | "flashrl_int8" | "flashrl_fp8", dtype="bfloat16", enforce_eager=True,
+max_model_len=1024, max_num_seqs=32, kv_cache_memory_bytes=256 MiB (32 MiB quick), enable_prefix_caching=False,
+seed=0, logprobs_mode="processed_logprobs")`. `--no-eager` builds them with
 enforce_eager=False (vLLM's compiled mode: torch.compile, plus CUDA graphs on a GPU), which the plugin supports
 (its ops are torch.library custom ops with fake implementations; docs/quantized_rollout.md, "Compiled mode");
 it is not the default because on a CPU every engine start recompiles (tens of seconds per engine). `--quant-options JSON` goes to the quantized engines as
@@ -86,6 +89,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_i
 DEFAULT_LAYERS, DEFAULT_HIDDEN, QUICK_LAYERS, QUICK_HIDDEN = 24, 896, 2, 128
 PROMPT_SEED, SAMPLE_SEED = 1234, 10_000
 MAX_MODEL_LEN, MAX_NUM_SEQS = 1024, 32
+ENGINE_MODES = {"inproc": "in-process engine", "mp": "multi-process engine (vLLM's default)",
+                "tp2": "tensor parallel 2 (mp executor)"}
 
 
 def cases(quick, device):  # the harness interface; this op is standalone (main)
@@ -203,8 +208,20 @@ def format_header(h: dict) -> str:
     isa = "" if h.get("isa") is None else f" ({' '.join(h['isa']) or 'none of ' + ', '.join(ISA_FLAGS)})"
     return (f"{h['device']}{isa}; torch {h['torch']}, vllm {h['vllm']}, {h['threads']} threads; "
             f"model {h['layers']} layers, hidden {h['hidden']}, vocab {h['vocab']} ({h['params_m']:.0f} M params); "
-            f"{'eager' if h['enforce_eager'] else 'compiled'}; median of {h['repeats']}"
+            f"{'eager' if h['enforce_eager'] else 'compiled'}; {ENGINE_MODES[h.get('engine_mode', 'inproc')]}; "
+            f"median of {h['repeats']}"
             + (f"; quant options {h['quant_options']}" if h.get("quant_options") else ""))
+
+
+def tp_thread_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` CPU workers: the CPUs this process may use, split into equal runs.
+
+    vLLM's "auto" binding needs one NUMA node per rank; a one-node machine has to name the CPUs."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < ranks:
+        raise ValueError(f"--engine-mode tp{ranks}: needs {ranks} CPUs, this process may use {len(cpus)}")
+    per = len(cpus) // ranks
+    return "|".join(",".join(str(c) for c in cpus[r * per:(r + 1) * per]) for r in range(ranks))
 
 
 def _params(cfg: dict) -> int:
@@ -251,6 +268,13 @@ def score_sequences(llm, seqs: list[tuple[list[int], list[int]]], batch: int = 2
     return out
 
 
+def _shutdown(llm) -> None:
+    """Stop a multi-process engine's core and workers now (they hold the cores the next engine is timed on)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
 def _generate(llm, prompts, spec: CaseSpec, max_tokens: int | None = None):
     from vllm import SamplingParams
 
@@ -279,14 +303,19 @@ def run(args) -> tuple[dict, list[Row]]:
     cfg = model_config(layers, hidden)
     specs = case_specs(quick)
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    mode = getattr(args, "engine_mode", None) or "inproc"
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"--engine-mode: unknown {mode}; choose from {','.join(ENGINE_MODES)}")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "inproc" else "1"
+    if mode == "tp2" and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = tp_thread_binding(2)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # per-tensor load warnings, kernel registrations
     from tqdm import tqdm
 
     head = header({"layers": layers, "hidden": hidden, "vocab": cfg["vocab"], "heads": cfg["heads"],
                    "kv_heads": cfg["kv_heads"], "intermediate": cfg["intermediate"], "params_m": _params(cfg) / 1e6,
-                   "enforce_eager": eager, "repeats": repeats, "quick": quick, "engines": engines, "cases": names,
+                   "enforce_eager": eager, "engine_mode": mode, "repeats": repeats, "quick": quick, "engines": engines, "cases": names,
                    "quant_options": quant_options,
                    "cases_spec": {n: dataclasses.asdict(specs[n]) for n in names}})
     print(format_header(head), flush=True)
@@ -297,6 +326,8 @@ def run(args) -> tuple[dict, list[Row]]:
     kw = {"dtype": "bfloat16", "enforce_eager": eager, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
           "kv_cache_memory_bytes": (32 << 20) if quick else (256 << 20), "enable_prefix_caching": False, "seed": 0,
           "logprobs_mode": "processed_logprobs"}
+    if mode == "tp2":
+        kw.update(tensor_parallel_size=2, distributed_executor_backend="mp")
 
     rows: list[Row] = []
     kl_samples: list[tuple[list[int], list[int]]] | None = None
@@ -372,6 +403,7 @@ def run(args) -> tuple[dict, list[Row]]:
         except Exception as exc:
             for r in engine_rows.values():
                 r.error = (r.error + "; " if r.error else "") + f"scoring: {_err(exc)}"
+        _shutdown(llm)
         del llm
         gc.collect()
     bar.set_postfix_str("done")

@@ -235,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="inproc: in-process engine (default; VLLM_ENABLE_V1_MULTIPROCESSING=0); mp: vLLM's default "
                          "multi-process engine; tp2: tensor parallel 2 with the mp executor, one CPU set per rank "
                          "(VLLM_CPU_OMP_THREADS_BIND, default: this process's CPUs split in two)")
+    ro.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                    help="keep every engine alive and run each repeat of a case on all of them in turn, so that a "
+                         "machine that slows down or speeds up affects all engines alike (default: on for "
+                         "--engine-mode inproc, off for mp / tp2)")
     ro.add_argument("--quant-options", default=None, metavar="JSON",
                     help="options for the flashrl engines, passed as hf_overrides={'quantization_config_dict_json': "
                          "JSON}, e.g. '{\"activation_quant\": \"dynamic\"}'")

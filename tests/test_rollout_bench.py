@@ -39,11 +39,13 @@ def test_op_rollout_goes_to_its_own_main_not_the_harness(monkeypatch):
     assert (args.layers, args.hidden, args.engines, args.cases) == (1, 128, "bf16", "prefill")
     assert args.eager is False and args.quick and args.repeats is None
     assert json.loads(args.quant_options) == {"activation_quant": "none"}
-    assert args.engine_mode == "inproc"
+    assert args.engine_mode == "inproc" and args.interleave is None  # run() decides: on in-process
     assert cli.main(["bench", "--op", "rollout"]) == 0
     assert seen[-1].eager is True and seen[-1].layers is None and seen[-1].hidden is None  # rollout's defaults
-    assert cli.main(["bench", "--op", "rollout", "--engine-mode", "tp2"]) == 0
-    assert seen[-1].engine_mode == "tp2"
+    assert cli.main(["bench", "--op", "rollout", "--engine-mode", "tp2", "--interleave"]) == 0
+    assert seen[-1].engine_mode == "tp2" and seen[-1].interleave is True
+    assert cli.main(["bench", "--op", "rollout", "--no-interleave"]) == 0
+    assert seen[-1].interleave is False
 
 
 def test_rollout_beside_harness_ops_gets_its_own_json(monkeypatch, tmp_path):
@@ -96,6 +98,7 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     data = json.loads(out.read_text())
     meta, rows = data["meta"], data["rows"]
     assert meta["layers"] == 1 and meta["hidden"] == 128 and meta["vllm"] and meta["torch"]
+    assert meta["engine_mode"] == "inproc" and meta["interleave"] is True  # both engines alive, timed in turn
     assert "threads" in meta and "device" in meta
     assert {(r["engine"], r["case"]) for r in rows} == {(e, c) for e in ("bf16", "flashrl_int8")
                                                         for c in ("decode8", "prefill")}
@@ -128,7 +131,7 @@ def test_quick_rollout_bench_tensor_parallel(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["meta"]["engine_mode"] == "tp2"
+    assert data["meta"]["engine_mode"] == "tp2" and data["meta"]["interleave"] is False
     (row,) = data["rows"]
     assert row["error"] is None and row["tokens"] == 8 * 16 and row["tokens_per_s"] > 0, row
     assert "tensor parallel 2" in proc.stdout

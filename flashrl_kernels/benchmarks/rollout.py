@@ -17,8 +17,11 @@ bench/sync_bench.py uses; the 896-wide checkpoints are shared with it). `--layer
 H * 4864 / 896 rounded to a multiple of 64. `--quick`: 2 layers, hidden 128 (4 heads of 32, 2 KV heads,
 intermediate 704), the full vocabulary.
 
-Engines: one at a time (built, all cases run, shut down, then the next), in-process by default
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`); `--engine-mode mp` runs vLLM's default multi-process engine (the engine core in
+Engines: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), all alive at once and timed interleaved:
+every repeat of a case runs on each engine in turn, so a shared machine that slows down or speeds up during the
+run moves all engines alike and the ratios stay fair (`--no-interleave`: one engine at a time, built, all cases
+run, shut down, then the next; the default for the multi-process modes, whose idle engines keep their processes
+and thread bindings, and the choice when three engines do not fit in memory); `--engine-mode mp` runs vLLM's default multi-process engine (the engine core in
 its own process) and `--engine-mode tp2` tensor parallel 2 with the mp executor (`distributed_executor_backend="mp"`,
 one OpenMP CPU set per rank from VLLM_CPU_OMP_THREADS_BIND, default: this process's CPUs split in two).
 `vllm.LLM(path, quantization=None | "flashrl_int8" | "flashrl_fp8", dtype="bfloat16", enforce_eager=True,
@@ -209,7 +212,7 @@ def format_header(h: dict) -> str:
     return (f"{h['device']}{isa}; torch {h['torch']}, vllm {h['vllm']}, {h['threads']} threads; "
             f"model {h['layers']} layers, hidden {h['hidden']}, vocab {h['vocab']} ({h['params_m']:.0f} M params); "
             f"{'eager' if h['enforce_eager'] else 'compiled'}; {ENGINE_MODES[h.get('engine_mode', 'inproc')]}; "
-            f"median of {h['repeats']}"
+            f"{'interleaved' if h.get('interleave') else 'one engine at a time'}; median of {h['repeats']}"
             + (f"; quant options {h['quant_options']}" if h.get("quant_options") else ""))
 
 
@@ -297,6 +300,7 @@ def run(args) -> tuple[dict, list[Row]]:
     eager = getattr(args, "eager", True)
     eager = True if eager is None else bool(eager)
     quant_options = getattr(args, "quant_options", None)
+    interleave = getattr(args, "interleave", None)
     if quant_options is not None:
         json.loads(quant_options)  # a clear error here rather than deep inside vLLM
     engines = sorted(engines, key=lambda e: e != "bf16")  # bf16 first: the reference for ratios and KL
@@ -307,6 +311,8 @@ def run(args) -> tuple[dict, list[Row]]:
     if mode not in ENGINE_MODES:
         raise ValueError(f"--engine-mode: unknown {mode}; choose from {','.join(ENGINE_MODES)}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "inproc" else "1"
+    if interleave is None:  # idle multi-process engines still hold their processes and thread bindings
+        interleave = mode == "inproc"
     if mode == "tp2" and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = tp_thread_binding(2)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -315,7 +321,7 @@ def run(args) -> tuple[dict, list[Row]]:
 
     head = header({"layers": layers, "hidden": hidden, "vocab": cfg["vocab"], "heads": cfg["heads"],
                    "kv_heads": cfg["kv_heads"], "intermediate": cfg["intermediate"], "params_m": _params(cfg) / 1e6,
-                   "enforce_eager": eager, "engine_mode": mode, "repeats": repeats, "quick": quick, "engines": engines, "cases": names,
+                   "enforce_eager": eager, "engine_mode": mode, "interleave": interleave, "repeats": repeats, "quick": quick, "engines": engines, "cases": names,
                    "quant_options": quant_options,
                    "cases_spec": {n: dataclasses.asdict(specs[n]) for n in names}})
     print(format_header(head), flush=True)
@@ -330,16 +336,16 @@ def run(args) -> tuple[dict, list[Row]]:
         kw.update(tensor_parallel_size=2, distributed_executor_backend="mp")
 
     rows: list[Row] = []
-    kl_samples: list[tuple[list[int], list[int]]] | None = None
-    ref_logp: list[float] | None = None
+    state = {"kl_samples": None, "ref_logp": None}
     bar = tqdm(total=len(engines) * len(names) * repeats, desc="rollout bench", unit="run", file=sys.stderr,
                dynamic_ncols=True)
-    for engine in engines:
+
+    def start(engine: str):
+        """Build and warm up one engine; its rows are added to `rows`. Returns the LLM, or None on failure."""
         quant = None if engine == "bf16" else engine
         engine_rows = {n: Row(engine, n, "prompt" if specs[n].is_prefill else "generated") for n in names}
         rows.extend(engine_rows.values())
         bar.set_postfix_str(f"{engine}: starting")
-        llm = None
         try:
             extra = {"hf_overrides": {"quantization_config_dict_json": quant_options}} if quant and quant_options else {}
             import vllm
@@ -354,58 +360,88 @@ def run(args) -> tuple[dict, list[Row]]:
             # each batch shape stays out of the timed runs
             for n in names:
                 _generate(llm, prompts[n], specs[n], max_tokens=2)
+            return llm
         except Exception as exc:
             for r in engine_rows.values():
                 r.error = f"engine: {_err(exc)}"
             bar.update(len(names) * repeats)
-            llm = None
             gc.collect()
-            continue
+            return None
 
-        for name in names:
-            spec, row = specs[name], engine_rows[name]
-            bar.set_postfix_str(f"{engine}: {name}")
-            times: list[float] = []
-            try:
-                for rep in range(repeats):
-                    t0 = time.perf_counter()
-                    outs = _generate(llm, prompts[name], spec)
-                    times.append(time.perf_counter() - t0)
-                    bar.update(1)
-                    if spec.is_prefill:
-                        tokens = sum(len(o.prompt_token_ids) for o in outs)
-                    else:
-                        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                    if rep == 0 and engine == "bf16" and name == "decode8":
-                        kl_samples = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
-                row.tokens, row.times_s = tokens, times
-                row.median_s = statistics.median(times)
-                row.tokens_per_s = tokens / row.median_s
-            except Exception as exc:
-                row.error = _err(exc)
-                bar.update(repeats - len(times))
+    def row_of(engine: str, name: str) -> Row:
+        return next(r for r in rows if r.engine == engine and r.case == name)
 
-        # accuracy on the bf16 engine's decode8 samples
+    def time_once(llm, engine: str, name: str, rep: int) -> None:
+        spec, row = specs[name], row_of(engine, name)
+        bar.set_postfix_str(f"{engine}: {name}")
+        if row.error:
+            bar.update(1)
+            return
         try:
-            if engine == "bf16" and kl_samples is None:
+            t0 = time.perf_counter()
+            outs = _generate(llm, prompts[name], spec)
+            dt = time.perf_counter() - t0
+            if spec.is_prefill:
+                row.tokens = sum(len(o.prompt_token_ids) for o in outs)
+            else:
+                row.tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            row.times_s = (row.times_s or []) + [dt]
+            row.median_s = statistics.median(row.times_s)
+            row.tokens_per_s = row.tokens / row.median_s
+            if rep == 0 and engine == "bf16" and name == "decode8":
+                state["kl_samples"] = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+        except Exception as exc:
+            row.error = _err(exc)
+        bar.update(1)
+
+    def score(llm, engine: str) -> None:
+        """Accuracy on the bf16 engine's decode8 samples (bf16 first: it defines them and the reference)."""
+        engine_rows = [r for r in rows if r.engine == engine]
+        try:
+            if engine == "bf16" and state["kl_samples"] is None:
                 bar.set_postfix_str("bf16: decode8 samples for the KL")
                 outs = _generate(llm, prompts["decode8"], specs["decode8"])
-                kl_samples = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
-            if kl_samples is not None and (engine == "bf16" or ref_logp is not None):
+                state["kl_samples"] = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+            if state["kl_samples"] is not None and (engine == "bf16" or state["ref_logp"] is not None):
                 bar.set_postfix_str(f"{engine}: scoring the bf16 samples")
-                lp = score_sequences(llm, kl_samples)
+                lp = score_sequences(llm, state["kl_samples"])
                 if engine == "bf16":
-                    ref_logp = lp
-                d = [a - b for a, b in zip(ref_logp, lp)]
+                    state["ref_logp"] = lp
+                d = [a - b for a, b in zip(state["ref_logp"], lp)]
                 stats = (sum(d) / len(d), sum(abs(x) for x in d) / len(d), max(abs(x) for x in d))
-                for r in engine_rows.values():
+                for r in engine_rows:
                     r.kl_est, r.mean_abs_dlogp, r.max_abs_dlogp = stats
         except Exception as exc:
-            for r in engine_rows.values():
+            for r in engine_rows:
                 r.error = (r.error + "; " if r.error else "") + f"scoring: {_err(exc)}"
-        _shutdown(llm)
-        del llm
+
+    if interleave:  # all engines alive; every repeat of a case runs each engine once, in turn
+        live = {e: start(e) for e in engines}
+        for name in names:
+            for rep in range(repeats):
+                for engine, llm in live.items():
+                    if llm is not None:
+                        time_once(llm, engine, name, rep)
+        for engine, llm in live.items():
+            if llm is not None:
+                score(llm, engine)
+        for llm in live.values():
+            if llm is not None:
+                _shutdown(llm)
+        live.clear()
         gc.collect()
+    else:  # one engine at a time: built, every case timed and scored, shut down
+        for engine in engines:
+            llm = start(engine)
+            if llm is None:
+                continue
+            for name in names:
+                for rep in range(repeats):
+                    time_once(llm, engine, name, rep)
+            score(llm, engine)
+            _shutdown(llm)
+            del llm
+            gc.collect()
     bar.set_postfix_str("done")
     bar.close()
 

@@ -229,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated, from bf16,flashrl_int8,flashrl_fp8 (default: all three)")
     ro.add_argument("--cases", default=None, metavar="LIST",
                     help="comma-separated, from decode8,decode32,prefill (default: all)")
-    ro.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
-                    help="enforce_eager for the engines (default: eager; --no-eager: vLLM's compiled mode)")
+    ro.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False,
+                    help="enforce_eager=True for the engines (default: --no-eager, vLLM's default compiled mode; "
+                         "eager starts faster)")
     ro.add_argument("--engine-mode", default="inproc", choices=("inproc", "mp", "tp2"),
                     help="inproc: in-process engine (default; VLLM_ENABLE_V1_MULTIPROCESSING=0); mp: vLLM's default "
                          "multi-process engine; tp2: tensor parallel 2 with the mp executor, one CPU set per rank "

@@ -41,7 +41,7 @@ def test_op_rollout_goes_to_its_own_main_not_the_harness(monkeypatch):
     assert json.loads(args.quant_options) == {"activation_quant": "none"}
     assert args.engine_mode == "inproc" and args.interleave is None  # run() decides: on in-process
     assert cli.main(["bench", "--op", "rollout"]) == 0
-    assert seen[-1].eager is True and seen[-1].layers is None and seen[-1].hidden is None  # rollout's defaults
+    assert seen[-1].eager is False and seen[-1].layers is None and seen[-1].hidden is None  # compiled, as vLLM
     assert cli.main(["bench", "--op", "rollout", "--engine-mode", "tp2", "--interleave"]) == 0
     assert seen[-1].engine_mode == "tp2" and seen[-1].interleave is True
     assert cli.main(["bench", "--op", "rollout", "--no-interleave"]) == 0
@@ -92,7 +92,7 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     out = tmp_path / "rollout.json"
     env = dict(os.environ, FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
     cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
-           "--repeats", "1", "--engines", "bf16,flashrl_int8", "--json", str(out)]
+           "--repeats", "1", "--engines", "bf16,flashrl_int8", "--eager", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -126,7 +126,7 @@ def test_quick_rollout_bench_tensor_parallel(tmp_path):
                                                             "VLLM_CPU_OMP_THREADS_BIND")}
     env.update(FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
-           "--repeats", "1", "--engines", "flashrl_int8", "--cases", "decode8", "--engine-mode", "tp2",
+           "--repeats", "1", "--engines", "flashrl_int8", "--cases", "decode8", "--engine-mode", "tp2", "--eager",
            "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

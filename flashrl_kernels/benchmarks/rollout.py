@@ -24,12 +24,14 @@ run, shut down, then the next; the default for the multi-process modes, whose id
 and thread bindings, and the choice when three engines do not fit in memory); `--engine-mode mp` runs vLLM's default multi-process engine (the engine core in
 its own process) and `--engine-mode tp2` tensor parallel 2 with the mp executor (`distributed_executor_backend="mp"`,
 one OpenMP CPU set per rank from VLLM_CPU_OMP_THREADS_BIND, default: this process's CPUs split in two).
-`vllm.LLM(path, quantization=None | "flashrl_int8" | "flashrl_fp8", dtype="bfloat16", enforce_eager=True,
+`vllm.LLM(path, quantization=None | "flashrl_int8" | "flashrl_fp8", dtype="bfloat16", enforce_eager=False,
 max_model_len=1024, max_num_seqs=32, kv_cache_memory_bytes=256 MiB (32 MiB quick), enable_prefix_caching=False,
-seed=0, logprobs_mode="processed_logprobs")`. `--no-eager` builds them with
-enforce_eager=False (vLLM's compiled mode: torch.compile, plus CUDA graphs on a GPU), which the plugin supports
-(its ops are torch.library custom ops with fake implementations; docs/quantized_rollout.md, "Compiled mode");
-it is not the default because on a CPU every engine start recompiles (tens of seconds per engine). `--quant-options JSON` goes to the quantized engines as
+seed=0, logprobs_mode="processed_logprobs")`: vLLM's default compiled mode (torch.compile, plus CUDA graphs on a
+GPU), which the plugin supports (its ops are torch.library custom ops with fake implementations;
+docs/quantized_rollout.md, "Compiled mode"); on a CPU every engine start recompiles (tens of seconds per engine).
+`--eager` builds them with enforce_eager=True (starts faster; Python and unfused elementwise kernels then cost
+both engines the same few milliseconds a step, which narrows the ratios). `--quant-options JSON` goes to the
+quantized engines as
 `hf_overrides={"quantization_config_dict_json": JSON}` unchanged (the plugin rejects options it does not know).
 Prefix caching is off so that repeated runs of the same prompts really recompute them.
 
@@ -297,8 +299,7 @@ def run(args) -> tuple[dict, list[Row]]:
     repeats = getattr(args, "repeats", None) or 3
     engines = _split(getattr(args, "engines", None), ENGINES, "--engines")
     names = _split(getattr(args, "cases", None), CASES, "--cases", default=QUICK_CASES if quick else CASES)
-    eager = getattr(args, "eager", True)
-    eager = True if eager is None else bool(eager)
+    eager = bool(getattr(args, "eager", False))
     quant_options = getattr(args, "quant_options", None)
     interleave = getattr(args, "interleave", None)
     if quant_options is not None:

@@ -22,8 +22,8 @@
 //   bf16_linear:               the same bf16 tiles on a plain bf16 weight's own rows (a model-dtype LM head).
 //   DEFAULT (portable) builds: scalar loops (the Python side prefers ATen there).
 // FP8 e4m3fn widens to value * 2^-8 (the 2^8 goes into the row scale): to fp32 through fp16 (its bits shifted
-// into an fp16, subnormals included, which vcvtph2ps converts exactly), to bf16 with integer ops only
-// (wload_bf16).
+// into an fp16, subnormals included, which vcvtph2ps converts exactly), to bf16 by a 128-entry table held in
+// registers (wload_bf16).
 // Lanes run along K, so every (m, n) needs one horizontal sum at the end of its row. AVX-512 tiles are 4
 // tokens x 4 weight rows, whose 16 sums one transposing tree (hsum16) puts in one vector, so the epilogue
 // is vector code; AVX2 / portable tiles are up to 4 x 2 with a scalar epilogue. See docs/native.md.
@@ -195,24 +195,35 @@ FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const int8_t* p) {
   const __m512 lo = wload(p), hi = wload(p + 16);
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
-// e4m3 -> bf16 in integer ops: the sign and the 7 exponent/mantissa bits moved to bf16's positions and the
-// exponent rebiased by 112 give value * 2^-8 for every normal e4m3 (exponent field e >= 1). The e = 0 lanes
-// (zeros and subnormals, m * 2^-9) take their magnitude from an 8-entry table indexed by the low 5 bits of
-// the byte, which are m there; then the sign goes back on. Branch-free: the decode tiles keep 16
-// accumulators in registers around it.
+// e4m3 -> bf16 by table: bf16 bits of value * 2^-8 for each of the 128 magnitudes (exponent field e, mantissa
+// m: (1 + m / 8) * 2^(e - 15) for e >= 1, m * 2^-17 for the subnormals and zero), looked up with two
+// 64-entry word permutes and a blend on bit 6, then the sign put back: 6 vector ops per 32 weights,
+// branch-free; the four table registers stay loaded across the decode tiles' loops.
+struct Fp8Bf16Table {
+  uint16_t bits[128];
+  constexpr Fp8Bf16Table() : bits() {
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> 3, m = c & 7;
+      if (e > 0) {
+        bits[c] = static_cast<uint16_t>(((e + 112) << 7) | (m << 4));
+      } else if (m > 0) {  // m * 2^-17 = 2^(p - 17) * (m / 2^p) with 2^p <= m < 2^(p + 1)
+        const int p = m >= 4 ? 2 : m >= 2 ? 1 : 0;
+        bits[c] = static_cast<uint16_t>(((110 + p) << 7) | (((m << (7 - p)) & 0x7F)));
+      }
+    }
+  }
+};
+alignas(64) constexpr Fp8Bf16Table kFp8Bf16{};
+
 FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const fp8* p) {
+  const __m512i t0 = _mm512_load_si512(kFp8Bf16.bits), t1 = _mm512_load_si512(kFp8Bf16.bits + 32);
+  const __m512i t2 = _mm512_load_si512(kFp8Bf16.bits + 64), t3 = _mm512_load_si512(kFp8Bf16.bits + 96);
   const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i t = _mm512_slli_epi16(w, 4);
-  const __m512i exp_bits = _mm512_set1_epi16(0x78);
-  const __mmask32 normal = _mm512_test_epi16_mask(w, exp_bits), low = _mm512_testn_epi16_mask(w, exp_bits);
-  __m512i r = _mm512_maskz_add_epi16(normal, _mm512_and_si512(t, _mm512_set1_epi16(0x07F0)),
-                                     _mm512_set1_epi16(112 << 7));
-  // bf16 bits of m * 2^-17 for m = 0..7
-  const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         0x3860, 0x3840, 0x3820, 0x3800, 0x37C0, 0x3780, 0x3700, 0);
-  r = _mm512_mask_permutexvar_epi16(r, low, w, table);
-  // r | (t & 0x8000): t holds the sign in bit 15 (w is sign-extended)
-  return (__m512bh)_mm512_ternarylogic_epi32(r, t, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+  const __m512i lo = _mm512_permutex2var_epi16(t0, w, t1);  // magnitudes 0..63 (index: bits 5..0 of w)
+  const __m512i hi = _mm512_permutex2var_epi16(t2, w, t3);  // magnitudes 64..127
+  const __m512i r = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
+  // r | (w & 0x8000): w is sign-extended, so bit 15 is the sign
+  return (__m512bh)_mm512_ternarylogic_epi32(r, w, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
 }
 
 // ------------------------------------------------------------------ W8A8 int8, VNNI

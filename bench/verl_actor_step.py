@@ -103,8 +103,9 @@ def main(argv=None):
             print(r.stdout[-2000:], r.stderr[-4000:])
             raise SystemExit(f"{variant} run failed")
         results[variant] = json.loads(r.stdout.strip().splitlines()[-1])
-    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx2", "avx512", "amx"))}
-                   if Path("/proc/cpuinfo").exists() else [])
+    from flashrl_kernels._cpu import isa_flags
+
+    flags = isa_flags()
     print(f"verl actor update step: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
           f"{args.batch} x ({args.prompt} + {args.response}) tokens, {args.micro} micro-batches; loss {args.loss}, "
           f"{args.agg}; {args.threads} threads; {platform.processor() or platform.machine()} {' '.join(flags)}")

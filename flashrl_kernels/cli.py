@@ -9,17 +9,6 @@ import sys
 import torch
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
 def _cmd_info(args) -> int:
     import flashrl_kernels as fk
     from flashrl_kernels import _backend
@@ -37,7 +26,14 @@ def _cmd_info(args) -> int:
            "policy_loss": "policy_loss_forward", "value_loss": "value_loss_forward", "gae": "gae_forward",
            "quantize_rows": "quantize_rows_forward"}
     for dev in devices:
-        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+        if dev.type == "cuda":
+            name = torch.cuda.get_device_name(dev)
+        else:
+            from flashrl_kernels import _cpu
+
+            isa = " ".join(_cpu.isa_flags()) or "none of " + ", ".join(_cpu.ISA_FLAGS)
+            amx = "; AMX permitted" if _cpu.amx_permitted() else ""
+            name = f"{_cpu.cpu_name()}; {isa}{amx}"
         print(f"\n{dev.type} ({name})")
         for b in _backend.BACKENDS:
             reason = _backend.availability(b, dev)

@@ -68,3 +68,10 @@ def weights_as_bytes(model):
         b = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
         out[n] = [hashlib.sha256(b).hexdigest(), len(b), t.data_ptr(), str(t.dtype)]
     return out
+
+
+def amx_state(model):
+    """Whether the process running `model` may execute AMX instructions (for llm.apply_model)."""
+    from flashrl_kernels._cpu import amx_permitted
+
+    return amx_permitted()

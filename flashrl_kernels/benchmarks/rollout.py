@@ -61,7 +61,7 @@ logp_bf16 is the bf16 engine's own teacher-forced score of the same tokens, so t
 Without the bf16 engine among --engines these columns are empty.
 
 The header line gives the CPU model and the ISA flags that matter for these kernels (avx2, avx512f,
-avx512_bf16, avx512_vnni, amx_tile, amx_int8, amx_bf16 from /proc/cpuinfo) or the GPU name, the torch and vLLM
+avx512_bf16, avx512_vnni, avx512_fp16, amx_tile, amx_int8, amx_bf16 from /proc/cpuinfo) or the GPU name, the torch and vLLM
 versions, torch's thread count and the model size. `--json FILE` writes {"meta": header, "rows": [...]}.
 Exit status 1 if a flashrl engine failed to start or to generate (the error is printed in its rows, the other
 engines still run); 2 for bad arguments.
@@ -90,7 +90,6 @@ QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_head
 ENGINES = ("bf16", "flashrl_int8", "flashrl_fp8")
 CASES = ("decode8", "decode32", "prefill")
 QUICK_CASES = ("decode8", "prefill")  # --quick runs these unless --cases says otherwise
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16")
 DEFAULT_LAYERS, DEFAULT_HIDDEN, QUICK_LAYERS, QUICK_HIDDEN = 24, 896, 2, 128
 PROMPT_SEED, SAMPLE_SEED = 1234, 10_000
 MAX_MODEL_LEN, MAX_NUM_SEQS = 1024, 32
@@ -174,25 +173,11 @@ def make_prompts(spec: CaseSpec, vocab: int) -> list[list[int]]:
 def hardware_line() -> dict:
     import torch
 
-    info: dict = {}
+    from flashrl_kernels import _cpu
+
     if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name(0)
-        info["isa"] = None
-    else:
-        name, flags = None, set()
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name") and name is None:
-                        name = line.split(":", 1)[1].strip()
-                    elif line.startswith("flags") and not flags:
-                        flags = set(line.split(":", 1)[1].split())
-        except OSError:
-            pass
-        name = name or platform.processor() or "cpu"
-        info["device"] = name
-        info["isa"] = [f for f in ISA_FLAGS if f in flags]
-    return info
+        return {"device": torch.cuda.get_device_name(0), "isa": None}
+    return {"device": _cpu.cpu_name(), "isa": _cpu.isa_flags()}
 
 
 def header(args_view: dict) -> dict:
@@ -210,6 +195,8 @@ def header(args_view: dict) -> dict:
 
 
 def format_header(h: dict) -> str:
+    from flashrl_kernels._cpu import ISA_FLAGS
+
     isa = "" if h.get("isa") is None else f" ({' '.join(h['isa']) or 'none of ' + ', '.join(ISA_FLAGS)})"
     return (f"{h['device']}{isa}; torch {h['torch']}, vllm {h['vllm']}, {h['threads']} threads; "
             f"model {h['layers']} layers, hidden {h['hidden']}, vocab {h['vocab']} ({h['params_m']:.0f} M params); "

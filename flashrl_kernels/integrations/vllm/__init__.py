@@ -27,8 +27,17 @@ class SyncResult(NamedTuple):
 
 
 def register() -> None:
-    """Register the flashrl_int8 / flashrl_fp8 quantization methods with vLLM. Idempotent and cheap."""
+    """Register the flashrl_int8 / flashrl_fp8 quantization methods with vLLM. Idempotent and cheap.
+
+    It also asks Linux for the AMX tile state on CPUs that have AMX (flashrl_kernels._cpu.request_amx): vLLM's
+    CPU attention runs AMX instructions, and in a flashrl engine no oneDNN matmul asks for them first, so a
+    fresh engine process would die with SIGILL at its first forward. vLLM calls this in every process that
+    runs the model (in-process engine, engine core, every worker / tensor-parallel rank).
+    """
     global _registered
+    from flashrl_kernels._cpu import request_amx
+
+    request_amx()  # before the early return: a forked child inherits _registered but asks again (cheap, no-op)
     if _registered:
         return
     from .quant import register_configs

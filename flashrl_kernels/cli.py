@@ -215,14 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--impl", default=None, help="only implementations whose name contains this (plus baselines)")
     bench.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    ro = bench.add_argument_group("--op rollout (vLLM generate throughput of bf16 / flashrl_int8 / flashrl_fp8 "
-                                  "engines; see flashrl_kernels/benchmarks/rollout.py)")
+    ro = bench.add_argument_group("--op rollout (vLLM generate throughput of bf16 / vLLM W8A8 / flashrl_int8 / "
+                                  "flashrl_fp8 engines; see flashrl_kernels/benchmarks/rollout.py)")
     ro.add_argument("--layers", type=int, default=None, metavar="N", help="decoder layers (default 24; quick 2)")
     ro.add_argument("--hidden", type=int, default=None, metavar="H",
                     help="hidden size (default 896 = Qwen2.5-0.5B; quick 128); heads of 64, 2 KV heads, "
                          "intermediate ~5.43 H")
     ro.add_argument("--engines", default=None, metavar="LIST",
-                    help="comma-separated, from bf16,flashrl_int8,flashrl_fp8 (default: all three)")
+                    help="comma-separated, from bf16,vllm_w8a8,flashrl_int8,flashrl_fp8 (default: all four; "
+                         "vllm_w8a8 is vLLM's own INT8 engine on a compressed-tensors checkpoint of the same weights)")
+    ro.add_argument("--kv-cache-dtype", default=None, metavar="LIST",
+                    help="comma-separated vLLM KV cache dtypes, from auto,fp8,fp8_e4m3,fp8_e5m2: every engine runs "
+                         "under each (default: auto, the model's bf16)")
     ro.add_argument("--cases", default=None, metavar="LIST",
                     help="comma-separated, from decode8,decode32,prefill (default: all)")
     ro.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False,

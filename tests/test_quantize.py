@@ -331,3 +331,34 @@ def test_sync_finiteness_check_handles_overflowing_sums():
     inf[0] = -float("inf")
     ok = torch.randn(6, 6).bfloat16()
     assert nonfinite_tensors([ok, big, nan, ok, inf, -big]) == [2, 4]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qdtype", QDTYPES, ids=QNAME.get)
+@pytest.mark.parametrize("shape", [(2, 64), (7, 129), (300, 1000)])
+def test_counted_requantize_counts_the_changed_codes(backend, qdtype, shape):
+    """quantize_rows_counted_ (what a weight sync runs) writes what quantize_rows_ writes and returns exactly how
+    many codes differ from the ones it overwrote: a small update (some codes cross a rounding boundary, most do
+    not), a zero row written over a nonzero one, and a strided row slice of a larger parameter."""
+    from flashrl_kernels.ops.quantize import quantize_rows_counted_
+
+    w0 = rand_weight(shape, torch.bfloat16)
+    w1 = (w0.float() + 0.01 * w0.float().std(dim=-1, keepdim=True) * torch.randn(shape, device=DEVICE))
+    if shape[0] > 1:
+        w1[0] = 0.0  # a row that becomes zero: every nonzero old code changes to +0
+    w1 = w1.to(torch.bfloat16)
+    store_q = torch.zeros(shape[0], shape[1] + 9, dtype=qdtype, device=DEVICE)
+    store_s = torch.ones(shape[0], device=DEVICE)
+    q, s = store_q[:, 3:3 + shape[1]], store_s  # a row-strided view, as a loader's shard
+    with fk.use_backend(backend):
+        fk.quantize_rows_(w0, q, s)
+        old = bits(q.clone()).cpu()
+        changed = quantize_rows_counted_(w1, q, s)
+    assert_same_as_spec(w1, q, s, qdtype)
+    expect = int((bits(q).cpu() != old).sum())
+    assert changed == expect
+    assert 0 < changed < q.numel()  # the update moved some codes, not all: the count is not vacuous
+    # the columns outside the view are untouched
+    assert not bits(store_q[:, :3]).any() and not bits(store_q[:, 3 + shape[1]:]).any()
+    with fk.use_backend(backend):
+        assert quantize_rows_counted_(w1, q, s) == 0  # the same weights again change nothing

@@ -64,6 +64,9 @@ def test_tp2_sync_equals_fresh_engine_on_every_rank(tp2):
     assert s["state_equals_fresh"] == [True, True]  # every byte of every rank's weights and scales
     assert s["ptrs_kept"] == [True, True]  # nothing re-allocated on either rank
     assert s["bytes"] == s["bytes_stored"]  # a full sync writes every stored byte of both ranks
+    # the code statistics sum both ranks' shards: every int8 code stored, a share of them changed
+    assert s["codes_total"] == s["codes_stored"] and 0 < s["codes_changed"] < s["codes_total"]
+    assert s["max_scale_change"] > 0
 
 
 @pytest.mark.parametrize("case,match", [("wrong shape", "has shape"), ("unknown name", "unknown weight name"),
@@ -78,6 +81,7 @@ def test_tp2_bad_sync_changes_no_rank(tp2, case, match):
 def test_default_multiprocess_engine_sync_without_insecure_serialization(ckpt_root, tmp_path):
     r = run_scenario("mp1", ckpt_root, tmp_path, VLLM_ALLOW_INSECURE_SERIALIZATION="0")
     assert r["n_tensors"] == 2 * 12 + 3 and r["bytes"] > 0
+    assert 0 < r["changed_share"] < 1 and r["max_scale_change"] > 0  # the statistics cross the process boundary
     assert r["changed"] and r["equals_fresh"]
     assert r["bad"] is not None and "NaN" in r["bad"] and r["unchanged_after_bad"]
 

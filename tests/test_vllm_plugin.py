@@ -209,11 +209,24 @@ def check_sync_equals_fresh(target, fresh, tensors):
     # a full sync writes every byte of the engine's weights: int8/fp8 rows, fp32 scales, bf16 rest
     assert res.bytes_written == sum(t.numel() * t.element_size() for t, _ in after.values())
     assert_same_state(after, engine_state(fresh))
+    check_sync_stats(res, before, after)
     ids, lps = generate(target)
     ids_f, lps_f = generate(fresh)
     assert ids == ids_f
     assert torch.equal(torch.tensor(lps), torch.tensor(lps_f))
     assert ids != ids0  # the perturbation changed the rollout: the comparison above is not vacuous
+
+
+def check_sync_stats(res, before, after):
+    """The sync's code and scale statistics are exactly what changed between the two engine states."""
+    qnames = [n for n, (t, _) in after.items() if t.dtype in (torch.int8, torch.float8_e4m3fn)]
+    changed = sum(int((before[n][0].view(torch.uint8) != after[n][0].view(torch.uint8)).sum()) for n in qnames)
+    assert res.codes_total == sum(after[n][0].numel() for n in qnames) > 0
+    assert res.codes_changed == changed
+    assert 0 < res.changed_share < 1  # a small perturbation moves some codes, not all
+    scales = [n for n in after if n.endswith("weight_scale")]
+    rel = max(float(((after[n][0] - before[n][0]).abs() / before[n][0]).max()) for n in scales)
+    assert res.max_scale_change == pytest.approx(rel, rel=1e-6) and rel > 0
 
 
 @pytest.mark.parametrize("quant", QUANTS)

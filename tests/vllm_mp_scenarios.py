@@ -73,6 +73,8 @@ def tp2(root: Path, vllm, kw):
         "ptrs_kept": [{n: v[2] for n, v in b.items()} == {n: v[2] for n, v in a.items()}
                       for b, a in zip(before, after)],
         "changed": synced != ids0,
+        "codes_total": res.codes_total, "codes_changed": res.codes_changed, "max_scale_change": res.max_scale_change,
+        "codes_stored": sum(v[1] for st in after for v in st.values() if v[3] == "torch.int8"),
     }
     out["bad"] = {}
     for case, tensors in _bad_sets(sd).items():
@@ -109,6 +111,7 @@ def mp1(root: Path, vllm, kw):
     except ValueError as e:
         bad = str(e)
     out = {"n_tensors": res.n_tensors, "bytes": res.bytes_written, "changed": synced != ids0, "bad": bad,
+           "changed_share": res.changed_share, "max_scale_change": res.max_scale_change,
            "unchanged_after_bad": generate(llm) == synced}
     _shutdown(llm)
     fresh = vllm.LLM(str(root / "perturbed"), quantization="flashrl_int8", **kw)

@@ -5,6 +5,7 @@
 //   holding NaN or +-inf;  y_j = fp32(w_j / scale) (an IEEE division, not a reciprocal multiply);
 //   int8: q_j = clamp(round_half_even(y_j), -128, 127), NaN -> 0;
 //   fp8:  q_j = e4m3fn(clamp(y_j, -448, 448)), round to nearest even;  zero rows: q = +0.
+// quantize_rows_counted also counts the codes that changed (what a weight sync reports).
 // Two passes over each row (its max, then the quotients), rows spread over threads; a row
 // of a 4096-wide bf16 weight is 8 KiB, so the second pass reads from L1/L2.
 // The fp32 -> e4m3fn conversion is ATen's vectorised one on AVX-512 (the same algorithm as
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -60,32 +62,56 @@ inline c10::Float8_e4m3fn fp8_of(float y) {
   return c10::Float8_e4m3fn(std::isnan(y) ? y : std::min(448.f, std::max(-448.f, y)));
 }
 
-template <typename T>
-void quantize_row_int8(const T* x, int8_t* q, int64_t k, float scale) {
+// Each row writer returns how many of the row's codes differ from what q held before (kCount; else 0): a
+// weight sync reports it. The old codes are read just before they are overwritten, from the cache lines the
+// store has to bring in anyway (write-allocate), so counting costs compares and popcounts, not memory traffic.
+template <bool kCount, typename T>
+int64_t quantize_row_int8(const T* x, int8_t* q, int64_t k, float scale) {
   const Vec vs(scale), lo(-128.f), hi(127.f), zero(0.f);
   [[maybe_unused]] alignas(64) float buf[kW];
+  int64_t changed = 0;
   int64_t i = 0;
   for (; i + kW <= k; i += kW) {
     Vec y = (load_f32(x + i) / vs).round();  // _mm*_round / roundscale to nearest even
     y = Vec::blendv(at::vec::clamp(y, lo, hi), zero, y != y);
     // y holds exact integers in [-128, 127]: narrow them to bytes
 #if defined(CPU_CAPABILITY_AVX512)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(y)));
+    const __m128i b = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(y));
+    if constexpr (kCount)
+      changed += __builtin_popcount(_mm_cmpneq_epi8_mask(b, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
 #elif defined(CPU_CAPABILITY_AVX2)
     const __m256i i32 = _mm256_cvtps_epi32(y);
     const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(i16, i16));
+    const __m128i b = _mm_packs_epi16(i16, i16);
+    if constexpr (kCount) {
+      const __m128i eq = _mm_cmpeq_epi8(b, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
+      changed += 8 - __builtin_popcount(_mm_movemask_epi8(eq) & 0xFF);
+    }
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), b);
 #else
     y.store(buf);
-    for (int64_t j = 0; j < kW; ++j) q[i + j] = static_cast<int8_t>(buf[j]);
+    for (int64_t j = 0; j < kW; ++j) {
+      const int8_t c = static_cast<int8_t>(buf[j]);
+      if constexpr (kCount) changed += q[i + j] != c;
+      q[i + j] = c;
+    }
 #endif
   }
-  for (; i < k; ++i) q[i] = int8_of(static_cast<float>(x[i]) / scale);
+  for (; i < k; ++i) {
+    const int8_t c = int8_of(static_cast<float>(x[i]) / scale);
+    if constexpr (kCount) changed += q[i] != c;
+    q[i] = c;
+  }
+  return changed;
 }
 
-template <typename T>
-void quantize_row_fp8(const T* x, c10::Float8_e4m3fn* q, int64_t k, float scale) {
+inline bool same_code(c10::Float8_e4m3fn a, c10::Float8_e4m3fn b) { return a.x == b.x; }
+
+template <bool kCount, typename T>
+int64_t quantize_row_fp8(const T* x, c10::Float8_e4m3fn* q, int64_t k, float scale) {
   const Vec vs(scale);
+  int64_t changed = 0;
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   const Vec lo(-448.f), hi(448.f);
@@ -93,32 +119,53 @@ void quantize_row_fp8(const T* x, c10::Float8_e4m3fn* q, int64_t k, float scale)
     const Vec y = load_f32(x + i) / vs;
     // clamp keeping NaN (max/min return their second operand when the first is NaN)
     const __m512 c = _mm512_min_ps(hi, _mm512_max_ps(lo, y));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), at::vec::cvtfp32_fp8e4m3(c));
+    const __m128i b = at::vec::cvtfp32_fp8e4m3(c);
+    if constexpr (kCount)
+      changed += __builtin_popcount(_mm_cmpneq_epi8_mask(b, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
   }
 #else
   alignas(64) float buf[kW];
   for (; i + kW <= k; i += kW) {
     (load_f32(x + i) / vs).store(buf);
-    for (int64_t j = 0; j < kW; ++j) q[i + j] = fp8_of(buf[j]);
+    for (int64_t j = 0; j < kW; ++j) {
+      const c10::Float8_e4m3fn c = fp8_of(buf[j]);
+      if constexpr (kCount) changed += !same_code(q[i + j], c);
+      q[i + j] = c;
+    }
   }
 #endif
-  for (; i < k; ++i) q[i] = fp8_of(static_cast<float>(x[i]) / scale);
+  for (; i < k; ++i) {
+    const c10::Float8_e4m3fn c = fp8_of(static_cast<float>(x[i]) / scale);
+    if constexpr (kCount) changed += !same_code(q[i], c);
+    q[i] = c;
+  }
+  return changed;
 }
 
-template <typename T, typename Q>
-void quantize_impl(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out, float qmax) {
+template <typename Q>
+int64_t nonzero_codes(const Q* q, int64_t k) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(q);
+  return k - std::count(b, b + k, uint8_t{0});
+}
+
+template <bool kCount, typename T, typename Q>
+int64_t quantize_impl(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out, float qmax) {
   const int64_t rows = w.size(0), k = w.size(1);
   const int64_t ws = w.stride(0), qs = q_out.stride(0), ss = scale_out.stride(0);
   const T* wp = w.const_data_ptr<T>();
   Q* qp = q_out.data_ptr<Q>();
   float* sp = scale_out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(k, 1));
+  std::atomic<int64_t> total{0};
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    int64_t changed = 0;
     for (int64_t r = begin; r < end; ++r) {
       const T* x = wp + r * ws;
       Q* q = qp + r * qs;
       const auto [amax, finite] = row_amax(x, k);
       if (finite && amax <= kZeroRowAmax) {
+        if constexpr (kCount) changed += nonzero_codes(q, k);
         std::fill(q, q + k, Q(0));
         sp[r * ss] = 1.f;
         continue;
@@ -126,24 +173,24 @@ void quantize_impl(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out
       const float scale = finite ? amax / qmax : kNaN;  // fp32 division, correctly rounded
       sp[r * ss] = scale;
       if constexpr (std::is_same_v<Q, int8_t>) {
-        quantize_row_int8(x, q, k, scale);
+        changed += quantize_row_int8<kCount>(x, q, k, scale);
       } else {
-        quantize_row_fp8(x, q, k, scale);
+        changed += quantize_row_fp8<kCount>(x, q, k, scale);
       }
     }
+    if constexpr (kCount) total += changed;
   });
+  return total.load();
 }
 
-template <typename T>
-void quantize_dispatch_q(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out) {
-  if (q_out.scalar_type() == at::kChar) {
-    quantize_impl<T, int8_t>(w, q_out, scale_out, 127.f);
-  } else {
-    quantize_impl<T, c10::Float8_e4m3fn>(w, q_out, scale_out, 448.f);
-  }
+template <bool kCount, typename T>
+int64_t quantize_dispatch_q(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out) {
+  if (q_out.scalar_type() == at::kChar) return quantize_impl<kCount, T, int8_t>(w, q_out, scale_out, 127.f);
+  return quantize_impl<kCount, T, c10::Float8_e4m3fn>(w, q_out, scale_out, 448.f);
 }
 
-void quantize_rows(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out) {
+template <bool kCount>
+int64_t quantize_checked(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out) {
   constexpr const char* op = "quantize_rows";
   TORCH_CHECK(w.dim() == 2 && q_out.dim() == 2 && w.sizes() == q_out.sizes(), op,
               ": w and q_out must be [R, K] of the same shape, got ", w.sizes(), " and ", q_out.sizes());
@@ -156,25 +203,36 @@ void quantize_rows(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out
   TORCH_CHECK(qt == at::kChar || qt == at::kFloat8_e4m3fn, op, ": q_out must be int8 or float8_e4m3fn, got ", qt);
   TORCH_CHECK((w.stride(1) == 1 || w.size(1) <= 1) && (q_out.stride(1) == 1 || q_out.size(1) <= 1), op,
               ": rows must have unit stride");
-  if (w.numel() == 0) return;
+  if (w.numel() == 0) return 0;
   switch (wt) {
     case at::kFloat:
-      quantize_dispatch_q<float>(w, q_out, scale_out);
-      break;
+      return quantize_dispatch_q<kCount, float>(w, q_out, scale_out);
     case at::kBFloat16:
-      quantize_dispatch_q<c10::BFloat16>(w, q_out, scale_out);
-      break;
+      return quantize_dispatch_q<kCount, c10::BFloat16>(w, q_out, scale_out);
     default:
-      quantize_dispatch_q<c10::Half>(w, q_out, scale_out);
+      return quantize_dispatch_q<kCount, c10::Half>(w, q_out, scale_out);
   }
+}
+
+void quantize_rows(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out) {
+  quantize_checked<false>(w, q_out, scale_out);
+}
+
+// quantize_rows that also returns how many codes of q_out changed (a weight sync's statistics)
+int64_t quantize_rows_counted(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out) {
+  return quantize_checked<true>(w, q_out, scale_out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flashrl_native, m) {
   m.def("quantize_rows(Tensor w, Tensor(a!) q_out, Tensor(b!) scale_out) -> ()");
+  m.def("quantize_rows_counted(Tensor w, Tensor(a!) q_out, Tensor(b!) scale_out) -> int");
 }
 
-TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) { m.impl("quantize_rows", &quantize_rows); }
+TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) {
+  m.impl("quantize_rows", &quantize_rows);
+  m.impl("quantize_rows_counted", &quantize_rows_counted);
+}
 
 }  // namespace flashrl_native

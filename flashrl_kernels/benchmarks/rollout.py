@@ -1,4 +1,4 @@
-"""Rollout throughput of whole vLLM engines: bf16 vs `flashrl_int8` vs `flashrl_fp8`.
+"""Rollout throughput of whole vLLM engines: bf16 vs vLLM's own INT8 W8A8 vs `flashrl_int8` vs `flashrl_fp8`.
 
     flashrl-kernels bench --op rollout                       # Qwen2.5-0.5B shapes, all engines and cases
     flashrl-kernels bench --op rollout --cases decode8 --repeats 1 --layers 6
@@ -17,7 +17,17 @@ bench/sync_bench.py uses; the 896-wide checkpoints are shared with it). `--layer
 H * 4864 / 896 rounded to a multiple of 64. `--quick`: 2 layers, hidden 128 (4 heads of 32, 2 KV heads,
 intermediate 704), the full vocabulary.
 
-Engines: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), all alive at once and timed interleaved:
+Engines (`--engines`, default all four):
+  bf16          vLLM on the bf16 checkpoint, no quantization
+  vllm_w8a8     vLLM's own INT8 engine: a compressed-tensors W8A8 checkpoint written from the same bf16 weights
+                (flashrl_kernels/testing/w8a8_checkpoint.py: per-channel symmetric int8 weights with the codes and
+                scales flashrl_int8 computes, dynamic per-token int8 activations, lm_head kept bf16), served by
+                vLLM's CompressedTensorsW8A8Int8 (oneDNN's int8 GEMM; sgl-kernel's AMX GEMM on AMX CPUs): what a
+                user picks instead of our engine
+  flashrl_int8  flashrl_fp8   the plugin's engines on the bf16 checkpoint, `--quant-options` applied
+`--kv-cache-dtype auto,fp8` runs every engine under each KV cache dtype, as rows of their own
+(`flashrl_int8+kv_fp8`).
+Engine mode: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), all alive at once and timed interleaved:
 every repeat of a case runs on each engine in turn, so a shared machine that slows down or speeds up during the
 run moves all engines alike and the ratios stay fair (`--no-interleave`: one engine at a time, built, all cases
 run, shut down, then the next; the default for the multi-process modes, whose idle engines keep their processes
@@ -60,6 +70,12 @@ d_t = logp_bf16(t) - logp_engine(t) over all completion tokens t of all 8 sequen
 logp_bf16 is the bf16 engine's own teacher-forced score of the same tokens, so the bf16 row is 0 by definition.
 Without the bf16 engine among --engines these columns are empty.
 
+Memory-bandwidth bound (decode cases; columns "bound tok/s", "of bound"): the bytes one decode step must read
+(`decode_step_bytes`: every weight in its stored dtype with its scales, the LM head, the KV cache at the mean
+context of the case) divided by the read bandwidth measured at the start (`read_bandwidth_gbps`: a torch sum over
+512 MB), times the tokens a step makes (one per sequence). "of bound" = measured tokens/s / that bound: how close
+an engine is to the fastest its bytes allow. "x vs w8a8" is tokens/s over vllm_w8a8's for the same case.
+
 The header line gives the CPU model and the ISA flags that matter for these kernels (avx2, avx512f,
 avx512_bf16, avx512_vnni, avx512_fp16, amx_tile, amx_int8, amx_bf16 from /proc/cpuinfo) or the GPU name, the torch and vLLM
 versions, torch's thread count and the model size. `--json FILE` writes {"meta": header, "rows": [...]}.
@@ -87,7 +103,10 @@ STANDALONE = True  # not a harness op: the CLI calls main(args); cases() is empt
 
 QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
              "tie_word_embeddings": True, "max_positions": 4096}  # as in bench/sync_bench.py
-ENGINES = ("bf16", "flashrl_int8", "flashrl_fp8")
+ENGINES = ("bf16", "vllm_w8a8", "flashrl_int8", "flashrl_fp8")
+# the engines that are vLLM without flashrl: the references every flashrl number is shown beside
+STOCK_ENGINES = ("bf16", "vllm_w8a8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype; fp8 on CPU needs AVX-512 / AMX
 CASES = ("decode8", "decode32", "prefill")
 QUICK_CASES = ("decode8", "prefill")  # --quick runs these unless --cases says otherwise
 DEFAULT_LAYERS, DEFAULT_HIDDEN, QUICK_LAYERS, QUICK_HIDDEN = 24, 896, 2, 128
@@ -202,6 +221,7 @@ def format_header(h: dict) -> str:
             f"model {h['layers']} layers, hidden {h['hidden']}, vocab {h['vocab']} ({h['params_m']:.0f} M params); "
             f"{'eager' if h['enforce_eager'] else 'compiled'}; {ENGINE_MODES[h.get('engine_mode', 'inproc')]}; "
             f"{'interleaved' if h.get('interleave') else 'one engine at a time'}; median of {h['repeats']}"
+            + (f"; read bandwidth {h['read_gbps']:.1f} GB/s" if h.get("read_gbps") else "")
             + (f"; quant options {h['quant_options']}" if h.get("quant_options") else ""))
 
 
@@ -223,6 +243,65 @@ def _params(cfg: dict) -> int:
     return cfg["layers"] * layer + v * h * (1 if cfg["tie_word_embeddings"] else 2) + h
 
 
+def read_bandwidth_gbps(mbytes: int = 512, repeats: int = 7) -> float:
+    """The engines' device's measured memory read bandwidth: median over `repeats` of a torch sum of a fp32
+    tensor far larger than the caches (on the CPU on torch's threads; the GPU where there is one), GB/s."""
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(mbytes * 2**20 // 4, device=dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    x.sum()  # first touch and thread start-up stay out of the timing
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        x.sum()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def decode_step_bytes(cfg: dict, engine: str, quant_options: str | None, n_seqs: int, context: float,
+                      kv_bytes: int = 2) -> int:
+    """Bytes one decode step must read from memory: every linear weight (bf16: 2 B; int8 / fp8: 1 B plus a fp32
+    scale per row), the norms and biases, the LM head (bf16 unless a flashrl engine runs with quantize_lm_head),
+    and the KV cache of `n_seqs` sequences of `context` tokens (`kv_bytes` per element: bf16 2, fp8 1). Activations and the embedding rows looked
+    up are a few KB: left out."""
+    h, i, v, heads, kv, layers = (cfg["hidden"], cfg["intermediate"], cfg["vocab"], cfg["heads"], cfg["kv_heads"],
+                                  cfg["layers"])
+    hd = h // heads
+    rows = heads * hd + 2 * kv * hd + h + 2 * i + h  # output rows of q, k, v, o, gate, up, down
+    params = h * (heads * hd) + 2 * h * (kv * hd) + (heads * hd) * h + 3 * h * i
+    quantized = engine != "bf16"
+    linears = layers * (params + 4 * rows if quantized else 2 * params)
+    small = layers * 2 * ((heads + 2 * kv) * hd + 2 * h) + 2 * h  # qkv biases, norms, final norm
+    head_q = engine.startswith("flashrl_") and bool(json.loads(quant_options or "{}").get("quantize_lm_head"))
+    head = v * h + 4 * v if head_q else 2 * v * h
+    kv_cache = layers * 2 * kv * hd * kv_bytes * context * n_seqs
+    return int(linears + small + head + kv_cache)
+
+
+def w8a8_checkpoint(ckpt: Path, say=print) -> Path:
+    """vLLM's own INT8 W8A8 (compressed-tensors) checkpoint of `ckpt`, written once beside it."""
+    from flashrl_kernels.testing.w8a8_checkpoint import build_w8a8_checkpoint
+
+    path = ckpt.with_name(ckpt.name + "-w8a8")
+    if (path / "model.safetensors").exists():
+        return path
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    t0 = time.perf_counter()
+    build_w8a8_checkpoint(ckpt, tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"built vLLM W8A8 checkpoint {path} in {time.perf_counter() - t0:.0f}s")
+    return path
+
+
 @dataclasses.dataclass
 class Row:
     engine: str
@@ -237,6 +316,9 @@ class Row:
     mean_abs_dlogp: float | None = None
     max_abs_dlogp: float | None = None
     engine_start_s: float | None = None
+    bound_tokens_per_s: float | None = None  # decode: tokens/s if every step only read its bytes at read_gbps
+    of_bound: float | None = None  # tokens_per_s / bound_tokens_per_s
+    step_mbytes: float | None = None  # bytes one decode step reads (weights, scales, KV cache), MB
     error: str | None = None
 
 
@@ -292,6 +374,10 @@ def run(args) -> tuple[dict, list[Row]]:
     if quant_options is not None:
         json.loads(quant_options)  # a clear error here rather than deep inside vLLM
     engines = sorted(engines, key=lambda e: e != "bf16")  # bf16 first: the reference for ratios and KL
+    kv_dtypes = _split(getattr(args, "kv_cache_dtype", None), KV_CACHE_DTYPES, "--kv-cache-dtype", default=["auto"])
+    kv_dtypes = sorted(kv_dtypes, key=lambda k: k != "auto")
+    # every engine under every KV cache dtype, as its own row: "flashrl_int8", "flashrl_int8+kv_fp8", ...
+    variants = {(e if kv == "auto" else f"{e}+kv_{kv}"): (e, kv) for e in engines for kv in kv_dtypes}
     cfg = model_config(layers, hidden)
     specs = case_specs(quick)
 
@@ -310,12 +396,15 @@ def run(args) -> tuple[dict, list[Row]]:
     head = header({"layers": layers, "hidden": hidden, "vocab": cfg["vocab"], "heads": cfg["heads"],
                    "kv_heads": cfg["kv_heads"], "intermediate": cfg["intermediate"], "params_m": _params(cfg) / 1e6,
                    "enforce_eager": eager, "engine_mode": mode, "interleave": interleave, "repeats": repeats, "quick": quick, "engines": engines, "cases": names,
-                   "quant_options": quant_options,
+                   "quant_options": quant_options, "kv_cache_dtypes": kv_dtypes,
                    "cases_spec": {n: dataclasses.asdict(specs[n]) for n in names}})
+    head["read_gbps"] = read_bandwidth_gbps()  # before any engine binds its threads
     print(format_header(head), flush=True)
     ckpt = build_checkpoint(checkpoint_dir(os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"), cfg),
                             cfg)
     head["checkpoint"] = str(ckpt)
+    if "vllm_w8a8" in engines:
+        head["w8a8_checkpoint"] = str(w8a8_checkpoint(ckpt))
     prompts = {n: make_prompts(specs[n], cfg["vocab"]) for n in set(names) | {"decode8"}}
     kw = {"dtype": "bfloat16", "enforce_eager": eager, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
           "kv_cache_memory_bytes": (32 << 20) if quick else (256 << 20), "enable_prefix_caching": False, "seed": 0,
@@ -325,25 +414,27 @@ def run(args) -> tuple[dict, list[Row]]:
 
     rows: list[Row] = []
     state = {"kl_samples": None, "ref_logp": None}
-    bar = tqdm(total=len(engines) * len(names) * repeats, desc="rollout bench", unit="run", file=sys.stderr,
+    bar = tqdm(total=len(variants) * len(names) * repeats, desc="rollout bench", unit="run", file=sys.stderr,
                dynamic_ncols=True)
 
-    def start(engine: str):
+    def start(label: str):
         """Build and warm up one engine; its rows are added to `rows`. Returns the LLM, or None on failure."""
-        quant = None if engine == "bf16" else engine
-        engine_rows = {n: Row(engine, n, "prompt" if specs[n].is_prefill else "generated") for n in names}
+        engine, kv = variants[label]
+        quant = engine if engine.startswith("flashrl_") else None
+        path = head["w8a8_checkpoint"] if engine == "vllm_w8a8" else str(ckpt)
+        engine_rows = {n: Row(label, n, "prompt" if specs[n].is_prefill else "generated") for n in names}
         rows.extend(engine_rows.values())
-        bar.set_postfix_str(f"{engine}: starting")
+        bar.set_postfix_str(f"{label}: starting")
         try:
             extra = {"hf_overrides": {"quantization_config_dict_json": quant_options}} if quant and quant_options else {}
             import vllm
 
             t0 = time.perf_counter()
-            llm = vllm.LLM(str(ckpt), quantization=quant, **kw, **extra)
+            llm = vllm.LLM(path, quantization=quant, kv_cache_dtype=kv, **kw, **extra)
             start_s = time.perf_counter() - t0
             for r in engine_rows.values():
                 r.engine_start_s = start_s
-            bar.set_postfix_str(f"{engine}: warm-up")
+            bar.set_postfix_str(f"{label}: warm-up")
             # one untimed generate per case (2 new tokens): first-call set-up of the prefill and decode paths of
             # each batch shape stays out of the timed runs
             for n in names:
@@ -404,7 +495,7 @@ def run(args) -> tuple[dict, list[Row]]:
                 r.error = (r.error + "; " if r.error else "") + f"scoring: {_err(exc)}"
 
     if interleave:  # all engines alive; every repeat of a case runs each engine once, in turn
-        live = {e: start(e) for e in engines}
+        live = {label: start(label) for label in variants}
         for name in names:
             for rep in range(repeats):
                 for engine, llm in live.items():
@@ -419,7 +510,7 @@ def run(args) -> tuple[dict, list[Row]]:
         live.clear()
         gc.collect()
     else:  # one engine at a time: built, every case timed and scored, shut down
-        for engine in engines:
+        for engine in variants:
             llm = start(engine)
             if llm is None:
                 continue
@@ -437,6 +528,15 @@ def run(args) -> tuple[dict, list[Row]]:
     for r in rows:
         if r.tokens_per_s and base.get(r.case):
             r.vs_bf16 = r.tokens_per_s / base[r.case]
+        spec = specs[r.case]
+        if not spec.is_prefill:
+            engine, kv = variants[r.engine]
+            nbytes = decode_step_bytes(cfg, engine, quant_options, spec.n_prompts,
+                                       spec.prompt_len + spec.max_tokens / 2, kv_bytes=2 if kv == "auto" else 1)
+            r.step_mbytes = nbytes / 1e6
+            r.bound_tokens_per_s = spec.n_prompts * head["read_gbps"] * 1e9 / nbytes
+            if r.tokens_per_s:
+                r.of_bound = r.tokens_per_s / r.bound_tokens_per_s
     return head, rows
 
 
@@ -455,11 +555,15 @@ def _fmt(v, spec):
 
 
 def format_table(rows: list[Row]) -> str:
-    headers = ["engine", "case", "tokens/s", "x vs bf16", "KL est.", "mean|dlogp|", "max|dlogp|", "engine start s"]
+    headers = ["engine", "case", "tokens/s", "x vs bf16", "x vs w8a8", "bound tok/s", "of bound", "KL est.",
+               "mean|dlogp|", "max|dlogp|", "engine start s"]
+    w8a8 = {r.case: r.tokens_per_s for r in rows if r.engine == "vllm_w8a8" and r.tokens_per_s}
     table = []
     for r in rows:
         tps = _fmt(r.tokens_per_s, ".1f") + (" (prompt)" if r.unit == "prompt" and r.tokens_per_s else "")
-        cells = [r.engine, r.case, tps, _fmt(r.vs_bf16, ".2f"), _fmt(r.kl_est, ".2e"), _fmt(r.mean_abs_dlogp, ".3f"),
+        vs_w8a8 = r.tokens_per_s / w8a8[r.case] if r.tokens_per_s and w8a8.get(r.case) else None
+        cells = [r.engine, r.case, tps, _fmt(r.vs_bf16, ".2f"), _fmt(vs_w8a8, ".2f"), _fmt(r.bound_tokens_per_s, ".1f"),
+                 _fmt(r.of_bound, ".0%"), _fmt(r.kl_est, ".2e"), _fmt(r.mean_abs_dlogp, ".3f"),
                  _fmt(r.max_abs_dlogp, ".3f"), _fmt(r.engine_start_s, ".1f")]
         if r.error:
             cells.append(f"error: {r.error}")
@@ -469,7 +573,8 @@ def format_table(rows: list[Row]) -> str:
         "  " + cells[-1] if len(cells) > len(widths) else "")
     out = [line(headers), line(["-" * w for w in widths])] + [line(c) for c in table]
     out.append("tokens/s: generated tokens / median time (decode), prompt tokens / median time (prefill); "
-               "KL est. = mean(logp_bf16 - logp_engine) over the bf16 engine's decode8 samples (teacher-forced, T=1)")
+               "KL est. = mean(logp_bf16 - logp_engine) over the bf16 engine's decode8 samples (teacher-forced, T=1); "
+               "bound tok/s: decode tokens/s if each step took only (bytes it reads) / (measured read bandwidth)")
     return "\n".join(out)
 
 

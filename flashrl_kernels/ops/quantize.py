@@ -214,6 +214,31 @@ def scaled_linear(
     return y.view(*x.shape[:-1], n)
 
 
+def quantize_rows_counted_(w2d: Tensor, q2d: Tensor, s1d: Tensor) -> int:
+    """flashrl::quantize_rows_(w2d, q2d, s1d) that also returns how many codes of q2d changed (compared as bytes:
+    int8 codes, or e4m3fn bit patterns), what a weight sync reports. The arguments are the already validated
+    [R, K] / [R] views a loader writes (no checks here).
+
+    On the CPU with the native backend the kernel counts while it writes (the old codes come from the cache
+    lines the stores bring in anyway: within noise of the plain write). Elsewhere rows go in chunks that stay
+    in cache (CPU: 256 KiB of codes) or in 64 MiB chunks (GPU): the chunk's old codes are copied, the chunk is
+    quantized, and the two are compared.
+    """
+    rows, k = q2d.shape
+    if rows == 0 or k == 0:
+        return 0
+    if _native_selected(q2d) and w2d.stride(-1) == 1 and q2d.stride(-1) == 1:
+        return int(torch.ops.flashrl_native.quantize_rows_counted(w2d, q2d, s1d))
+    chunk = max(1, ((64 << 20) if q2d.is_cuda else (256 << 10)) // k)
+    changed = torch.zeros((), dtype=torch.int64, device=q2d.device)
+    for r0 in range(0, rows, chunk):
+        q = q2d[r0:r0 + chunk]
+        old = q.clone()
+        torch.ops.flashrl.quantize_rows_(w2d[r0:r0 + chunk], q, s1d[r0:r0 + chunk])
+        changed += (q.view(torch.uint8) != old.view(torch.uint8)).sum()
+    return int(changed)
+
+
 def direct_scaled_linear(q: Tensor, activation_quant: bool):
     """The native C++ op that computes scaled_linear(x, q, ...) for these CPU weights, when the backend choice
     (use_backend / FLASHRL_BACKEND / automatic) is native and its kernel covers them; else None.

@@ -12,6 +12,7 @@ from typing import Any
 
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
 ROLLOUT_QUANTS = ("bf16", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype (fp8 on CPU: AVX-512 or AMX)
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gfpo_length", "gfpo_token_efficiency", "gfpo_adaptive")
 LEVELS = ("token", "sequence", "sequence_token")
 TIS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -52,6 +53,7 @@ class TrainConfig:
     # rollout
     rollout_engine: str = "auto"
     rollout_quant: str = "int8"
+    kv_cache_dtype: str = "auto"  # vLLM's KV cache dtype: auto (the model's, bf16) or fp8 (e4m3 / e5m2)
     prompts_per_step: int = 16
     group_size: int = 8
     temperature: float = 1.0
@@ -118,6 +120,7 @@ class TrainConfig:
 
         choice("rollout_engine", ROLLOUT_ENGINES)
         choice("rollout_quant", ROLLOUT_QUANTS)
+        choice("kv_cache_dtype", KV_CACHE_DTYPES)
         choice("advantage", ADVANTAGES)
         choice("level", LEVELS)
         choice("tis", TIS_MODES)
@@ -171,6 +174,8 @@ class TrainConfig:
                 f"option rollout_quant={self.rollout_quant!r} needs the vLLM engine; "
                 "the Hugging Face rollout runs the trainer's own weights (use rollout_quant='bf16')"
             )
+        if self.rollout_engine == "hf" and self.kv_cache_dtype != "auto":
+            raise ValueError(f"option kv_cache_dtype={self.kv_cache_dtype!r} needs the vLLM engine")
 
     @property
     def cache_root(self) -> str:

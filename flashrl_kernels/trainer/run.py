@@ -94,7 +94,8 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
         trainer.load(resume)
         say(f"resumed from {resume} at step {trainer.step}")
     engine_desc = (
-        f"vLLM, {cfg.rollout_quant} weights" if trainer.engine.name == "vllm"
+        f"vLLM, {cfg.rollout_quant} weights" + (f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else "")
+        if trainer.engine.name == "vllm"
         else "Hugging Face generate (the trainer's fp32 weights" + (
             "; vLLM is not installed, so no quantized rollout)" if cfg.rollout_engine == "auto" else ")")
     )
@@ -152,6 +153,8 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
         "time_logprob_s": _median_of(steps, "time_logprob"),
         "time_update_s": _median_of(steps, "time_update"),
         "time_sync_s": _median_of(steps, "time_sync"),
+        "sync_codes_changed_median": _median_of(steps, "sync_codes_changed"),
+        "sync_max_scale_change_median": _median_of(steps, "sync_max_scale_change"),
         "rollout_tokens_per_s": rollout_tokens_per_s(steps),
         "algo": cfg.algo,
         "value_loss_pretrain_start": pretrain[0]["value_loss"] if pretrain else None,
@@ -183,6 +186,9 @@ def format_summary(s: dict) -> str:
          " / ".join(f(s[k], ".3f") for k in ("time_rollout_s", "time_logprob_s", "time_update_s", "time_sync_s"))),
         ("rollout tokens/s (completion tokens / rollout time, whole run)", f(s.get("rollout_tokens_per_s"), ".1f")),
     ]
+    if s.get("sync_codes_changed_median") is not None:
+        rows.append(("sync: quantized codes changed / max row-scale change (median)",
+                     f"{s['sync_codes_changed_median']:.2%} / {s['sync_max_scale_change_median']:.2e}"))
     if s.get("value_loss_end") is not None:
         rows += [
             ("value loss: pretraining start / end / last RL steps",

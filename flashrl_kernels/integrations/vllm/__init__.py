@@ -7,6 +7,7 @@
     from flashrl_kernels.integrations.vllm import sync_weights
     stats = sync_weights(llm, trainer_model.state_dict().items())   # bf16 / fp32 tensors
     stats.bytes_written, stats.seconds, stats.n_tensors
+    stats.changed_share, stats.max_scale_change      # how much of the quantized policy the sync moved
 
 Importing this package does not import vLLM; `register()` does (vLLM calls
 it, once per process, when it loads its plugins). See docs/quantized_rollout.md.
@@ -24,6 +25,16 @@ class SyncResult(NamedTuple):
     bytes_written: int  # bytes written into the engine's weight storage (quantized rows + scales + others)
     seconds: float  # wall time of the whole sync (validation + quantize-and-write + prefix-cache reset)
     n_tensors: int  # number of trainer tensors written
+    # What the sync did to the quantized weights (all ranks; 0 for a bf16 engine). An RL step whose update is
+    # below half a quantization step changes no code: the rollout policy then lags the trainer's.
+    codes_changed: int = 0  # int8 / fp8 codes whose value this sync changed
+    codes_total: int = 0  # int8 / fp8 codes this sync wrote
+    max_scale_change: float = 0.0  # largest relative change of a row scale, |s_new - s_old| / s_old
+
+    @property
+    def changed_share(self) -> float | None:
+        """codes_changed / codes_total, None when the sync wrote no quantized weight."""
+        return self.codes_changed / self.codes_total if self.codes_total else None
 
 
 def register() -> None:

@@ -35,6 +35,7 @@ load_row_parallel_weight); vocab-parallel tables quantize their row shard.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import weakref
@@ -111,6 +112,35 @@ def _scaled_linear(layer: torch.nn.Module, x: torch.Tensor, bias, mode: str) -> 
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+class SyncStats:
+    """What the quantizing loaders saw during one weight sync on this rank (see collect_sync_stats)."""
+
+    def __init__(self):
+        self.codes_changed = 0  # quantized codes whose value differs after the write
+        self.codes_total = 0  # quantized codes written
+        self.rel_scale_changes: list[torch.Tensor] = []  # per written shard: max |s_new - s_old| / s_old
+
+    def max_rel_scale_change(self) -> float:
+        if not self.rel_scale_changes:
+            return 0.0
+        return float(torch.stack([t.float().cpu() for t in self.rel_scale_changes]).max())
+
+
+_sync_stats: SyncStats | None = None
+
+
+@contextlib.contextmanager
+def collect_sync_stats():
+    """Within the block, every quantizing loader also counts the codes it changes and the row scales' largest
+    relative change; yields the SyncStats. Outside it (engine start-up) loaders do only the write."""
+    global _sync_stats
+    prev, _sync_stats = _sync_stats, SyncStats()
+    try:
+        yield _sync_stats
+    finally:
+        _sync_stats = prev
+
+
 class FlashRLQuantizedWeight(ModelWeightParameter):
     """A [out, in] int8/fp8 weight whose loaders quantize bf16/fp32 input into place.
 
@@ -146,7 +176,16 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
             src = src.contiguous()
         scale = self._layer().weight_scale.narrow(0, row_offset, rows)
         # the sync validated finiteness up front; at start-up a non-finite checkpoint row gives scale NaN
-        torch.ops.flashrl.quantize_rows_(src, q, scale)
+        stats = _sync_stats
+        if stats is None:
+            torch.ops.flashrl.quantize_rows_(src, q, scale)
+            return
+        from flashrl_kernels.ops.quantize import quantize_rows_counted_
+
+        old_scale = scale.clone()
+        stats.codes_changed += quantize_rows_counted_(src, q, scale)
+        stats.codes_total += q.numel()
+        stats.rel_scale_changes.append(((scale - old_scale).abs() / old_scale).max())
 
     # -- the four entry points vLLM's layer loaders (weight_loader_v2) call --
 
@@ -190,6 +229,8 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
         if pad.numel() and not pad.is_meta:
             pad.zero_()
             self._layer().weight_scale.narrow(0, n, pad.shape[0]).fill_(1.0)
+            if _sync_stats is not None:  # written too, never changed: zeros since the first load
+                _sync_stats.codes_total += pad.numel()
 
     def load_row_parallel_weight(self, loaded_weight: torch.Tensor):
         """This rank's input columns of every row, quantized with a scale of their own (shard-local).

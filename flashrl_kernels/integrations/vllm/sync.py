@@ -175,8 +175,11 @@ def nonfinite_tensors(tensors: list[torch.Tensor]) -> list[int]:
     return [i for i in suspects if not bool(torch.isfinite(tensors[i]).all())]
 
 
-def _write_quantized(model: torch.nn.Module, load, vllm_config=None) -> None:
-    with torch.no_grad():
+def _write_quantized(model: torch.nn.Module, load, vllm_config=None) -> tuple[int, int, float]:
+    """model.load_weights(load); returns (codes changed, codes written, largest relative row-scale change)."""
+    from .quant import collect_sync_stats
+
+    with torch.no_grad(), collect_sync_stats() as stats:
         if vllm_config is not None:
             from vllm.config import set_current_vllm_config
 
@@ -186,6 +189,7 @@ def _write_quantized(model: torch.nn.Module, load, vllm_config=None) -> None:
             model.load_weights(iter(load))
     if any(t.is_cuda for _, t in load) or next(model.parameters()).is_cuda:
         torch.cuda.synchronize()
+    return stats.codes_changed, stats.codes_total, stats.max_rel_scale_change()
 
 
 def load_into_model(model: torch.nn.Module, named_tensors, vllm_config=None) -> SyncResult:
@@ -193,27 +197,28 @@ def load_into_model(model: torch.nn.Module, named_tensors, vllm_config=None) -> 
     t0 = time.perf_counter()
     tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
     nbytes, load = prepare(model, tensors)
-    _write_quantized(model, load, vllm_config)
-    return SyncResult(nbytes, time.perf_counter() - t0, len(tensors))
+    stats = _write_quantized(model, load, vllm_config)
+    return SyncResult(nbytes, time.perf_counter() - t0, len(tensors), *stats)
 
 
-def write_prepared(worker, load: list[tuple[str, torch.Tensor]]) -> None:
-    """Write a list `prepare` accepted into a worker's model (every rank writes its own shard)."""
+def write_prepared(worker, load: list[tuple[str, torch.Tensor]]) -> tuple[int, int, float]:
+    """Write a list `prepare` accepted into a worker's model (every rank writes its own shard); returns the
+    quantized-code statistics of _write_quantized (zeros for a bf16 engine)."""
     model = worker.get_model()
     if any(_is_quantized(m) for m in model.modules()):
-        _write_quantized(model, load, worker.vllm_config)
-        return
+        return _write_quantized(model, load, worker.vllm_config)
     # A plain (bf16) engine: vLLM post-processes unquantized weights after loading (on CPU it repacks
     # the linear layers, and those parameters lose their weight loaders), so model.load_weights cannot
     # write them again: vLLM's own reload path, which redoes that processing.
     worker.reload_weights(weights_iterator=iter(load))
+    return 0, 0, 0.0
 
 
 def _worker_load(worker, tensors):
     t0 = time.perf_counter()
     nbytes, load = prepare(worker.get_model(), tensors)
-    write_prepared(worker, load)
-    return SyncResult(nbytes, time.perf_counter() - t0, len(tensors))
+    stats = write_prepared(worker, load)
+    return SyncResult(nbytes, time.perf_counter() - t0, len(tensors), *stats)
 
 
 def _in_process_executor(llm) -> bool:
@@ -226,7 +231,7 @@ def _in_process_executor(llm) -> bool:
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
 
 
-def _two_phase_sync(llm, tensors) -> tuple[int, int]:
+def _two_phase_sync(llm, tensors) -> tuple[int, int, int, int, float]:
     """Stage in shared memory, validate on every rank, and write only if every rank agreed."""
     from .worker import stage_tensors
 
@@ -245,8 +250,9 @@ def _two_phase_sync(llm, tensors) -> tuple[int, int]:
         llm.collective_rpc("flashrl_sync_abort")
         kind, message = refused[0]
         raise _ERRORS.get(kind, ValueError)(message)
-    results = llm.collective_rpc("flashrl_sync_commit")
-    return sum(int(r[0]) for r in results), int(results[0][1])
+    results = llm.collective_rpc("flashrl_sync_commit")  # per rank: [bytes, tensors, changed, total, max scale]
+    return (sum(int(r[0]) for r in results), int(results[0][1]), sum(int(r[2]) for r in results),
+            sum(int(r[3]) for r in results), max(float(r[4]) for r in results))
 
 
 def _check_pairs(tensors) -> None:
@@ -277,14 +283,19 @@ def sync_weights(llm, named_tensors) -> SyncResult:
     colocated RL setup) calls straight into its worker with the tensors
     themselves. Other engines get the tensors through one shared-memory file
     and a two-phase commit (see worker.py); bytes_written sums all ranks.
+
+    The result also says how far the sync moved the quantized weights: codes_changed / codes_total (and
+    changed_share) over every int8 / fp8 code written on every rank, and max_scale_change, the largest
+    relative change of a row scale. Counting is done inside the quantizing write (see quant.SyncStats).
     """
     t0 = time.perf_counter()
     tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
     _check_pairs(tensors)
     if _in_process_executor(llm):
         r = llm.collective_rpc(_worker_load, args=(tensors,))[0]
-        nbytes, n = r.bytes_written, r.n_tensors
+        nbytes, n, changed, total, scale = r.bytes_written, r.n_tensors, r.codes_changed, r.codes_total, \
+            r.max_scale_change
     else:
-        nbytes, n = _two_phase_sync(llm, tensors)
+        nbytes, n, changed, total, scale = _two_phase_sync(llm, tensors)
     llm.reset_prefix_cache()
-    return SyncResult(nbytes, time.perf_counter() - t0, n)
+    return SyncResult(nbytes, time.perf_counter() - t0, n, changed, total, scale)

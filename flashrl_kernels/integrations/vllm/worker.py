@@ -123,7 +123,8 @@ def flashrl_sync_stage(self, handle: dict):
 
 
 def flashrl_sync_commit(self):
-    """Phase 2 on one rank: write the staged tensors; returns [bytes written, tensors]."""
+    """Phase 2 on one rank: write the staged tensors; returns [bytes written, tensors, codes changed, codes
+    written, largest relative row-scale change]."""
     from .sync import write_prepared
 
     staged = getattr(self, "_flashrl_staged", None)
@@ -131,8 +132,8 @@ def flashrl_sync_commit(self):
     if staged is None:
         raise RuntimeError("flashrl_sync_commit without a successful flashrl_sync_stage on this rank")
     nbytes, load, n = staged
-    write_prepared(self, load)
-    return [nbytes, n]
+    changed, total, scale = write_prepared(self, load)
+    return [nbytes, n, changed, total, scale]
 
 
 def flashrl_sync_abort(self):

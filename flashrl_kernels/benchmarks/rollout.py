@@ -164,24 +164,30 @@ def checkpoint_dir(cache_dir: str | os.PathLike, cfg: dict) -> Path:
                               + ("-tied" if cfg["tie_word_embeddings"] else ""))
 
 
-def build_checkpoint(path: Path, cfg: dict, say=print) -> Path:
-    """Write the random checkpoint once (into a temporary folder renamed into place: concurrent runs are safe)."""
-    from flashrl_kernels.testing import build_tiny_qwen2
-
+def _write_once(path: Path, write, what: str, say=print) -> Path:
+    """`write(folder)` into a temporary folder renamed to `path`, unless `path` already holds a checkpoint
+    (concurrent runs are safe: the loser of the rename drops its copy)."""
     if (path / "model.safetensors").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     t0 = time.perf_counter()
-    build_tiny_qwen2(tmp, seed=0, init_std=0.02, **cfg)
+    write(tmp)
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    say(f"built checkpoint {path} in {time.perf_counter() - t0:.0f}s")
+    say(f"built {what} {path} in {time.perf_counter() - t0:.0f}s")
     return path
+
+
+def build_checkpoint(path: Path, cfg: dict, say=print) -> Path:
+    """Write the random checkpoint once."""
+    from flashrl_kernels.testing import build_tiny_qwen2
+
+    return _write_once(path, lambda d: build_tiny_qwen2(d, seed=0, init_std=0.02, **cfg), "checkpoint", say)
 
 
 def make_prompts(spec: CaseSpec, vocab: int) -> list[list[int]]:
@@ -286,20 +292,8 @@ def w8a8_checkpoint(ckpt: Path, say=print) -> Path:
     """vLLM's own INT8 W8A8 (compressed-tensors) checkpoint of `ckpt`, written once beside it."""
     from flashrl_kernels.testing.w8a8_checkpoint import build_w8a8_checkpoint
 
-    path = ckpt.with_name(ckpt.name + "-w8a8")
-    if (path / "model.safetensors").exists():
-        return path
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    t0 = time.perf_counter()
-    build_w8a8_checkpoint(ckpt, tmp)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process finished first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    say(f"built vLLM W8A8 checkpoint {path} in {time.perf_counter() - t0:.0f}s")
-    return path
+    return _write_once(ckpt.with_name(ckpt.name + "-w8a8"), lambda d: build_w8a8_checkpoint(ckpt, d),
+                       "vLLM W8A8 checkpoint", say)
 
 
 @dataclasses.dataclass

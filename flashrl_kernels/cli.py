@@ -197,6 +197,40 @@ def _cmd_train(args) -> int:
     return _run_training(cfg, resume=args.resume)
 
 
+def _cmd_gpu_audit(args) -> int:
+    """Compile every Triton kernel for GPUs that are not here; exit 1 on a compile failure or a spill."""
+    import json
+    import warnings
+
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+    try:
+        from flashrl_kernels import gpu_audit
+    except ImportError as exc:
+        print(f"gpu-audit needs triton: {exc}", file=sys.stderr)
+        return 2
+    try:
+        archs = gpu_audit.parse_archs(args.arch)
+    except ValueError as exc:
+        print(f"gpu-audit: {exc}", file=sys.stderr)
+        return 2
+    progress = None
+    if args.verbose:
+        def progress(r):
+            print(f"  {r.arch:>6} {r.kernel:<26} {'ok ' if r.ok else 'ERR'} regs={r.registers:<4} "
+                  f"spill={r.spill_bytes:<5} {r.spec}  {r.error}", file=sys.stderr, flush=True)
+    rows = gpu_audit.run_audit(archs, quick=args.quick, only=args.only, progress=progress)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(gpu_audit.rows_to_json(rows), f, indent=1)
+    if not args.no_table:
+        print(gpu_audit.format_table(rows, detail=args.detail))
+    bad = gpu_audit.failures(rows)
+    if not args.no_table:
+        print(f"\n{len(rows)} compiled specializations, {len(bad)} with problems "
+              "(compiled only: nothing here ran on a GPU)")
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashrl-kernels", description="flashrl_kernels: kernels for RL training of LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -258,6 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", default=None, metavar="DIR", help="resume from a checkpoint folder (<out_dir>/checkpoint)")
     _add_train_flags(tr)
     tr.set_defaults(func=_cmd_train)
+
+    ga = sub.add_parser("gpu-audit", help="compile every Triton kernel for sm_80/86/90/100 and gfx942 without a GPU: "
+                                          "registers, spills, shared memory, occupancy, load width")
+    ga.add_argument("--arch", default="80,86,90,100,gfx942", help="comma-separated targets (default: all five)")
+    ga.add_argument("--quick", action="store_true", help="a representative subset of the specializations")
+    ga.add_argument("--json", default=None, metavar="FILE", help="also write every row as JSON")
+    ga.add_argument("--only", default=None, metavar="TEXT",
+                    help="only the specializations whose 'kernel label' contains TEXT (e.g. float8, policy_loss_fwd)")
+    ga.add_argument("--detail", action="store_true", help="one table line per compiled specialization")
+    ga.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
+    ga.add_argument("--verbose", "-v", action="store_true", help="print each compile as it finishes (stderr)")
+    ga.set_defaults(func=_cmd_gpu_audit)
     return p
 
 

@@ -5,7 +5,7 @@ Why one program per sequence: every per-sequence quantity the loss needs
 sequence TIS ratio, the GSPO gradient sum) becomes a scalar local to one
 program, so there are no atomics, no second launch, and results are
 deterministic. A program walks its sequence in BLOCK-token tiles (BLOCK from the typical
-sequence length, 256..2048, known on the host without a sync); when a
+sequence length, 256..1024, known on the host without a sync); when a
 per-sequence value is needed before the token terms (GSPO, sequence TIS,
 seq-mean-token-mean) it makes a first pass over the tiles (the sequence's few
 KiB stay in L2 for the second). Each program writes one row of statistics
@@ -250,8 +250,11 @@ def _policy_loss_bwd_kernel(
 def _block(n: int, nseq: int, uniform_len: int) -> tuple[int, int]:
     """Tile size from the (typical) sequence length, known on the host without a sync; and num_warps."""
     typical = uniform_len if uniform_len > 0 else max(1, n // max(nseq, 1))
-    block = min(2048, max(256, triton.next_power_of_2(typical)))
-    return block, 8 if block >= 2048 else 4
+    block = min(1024, max(256, triton.next_power_of_2(typical)))
+    # 2 tokens per thread up to 512 (the forward keeps ~20 live values per token; the former 512 / 4 warps and
+    # 2048 / 8 warps spilled on sm_80 / sm_90), 4 at 1024 / 8 warps: 16 warps spilled 8 bytes on sm_80 at 40
+    # registers, 8 warps use up to 128 with none (docs/gpu.md)
+    return block, min(8, block // 64)
 
 
 def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,

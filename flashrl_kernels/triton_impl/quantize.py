@@ -15,6 +15,11 @@ the interpreter alike:
   the conversion of a representable value is exact whatever rounding the
   hardware (or the interpreter, which rounds ties away and flushes
   subnormals) would apply. The sign of zero is kept, as an IEEE cast does.
+  The e4m3fn byte is then assembled from the fp32 bits by integer arithmetic
+  and stored through a uint8 view of q: no fp8 type reaches the compiler,
+  because sm_80 / sm_86 have no e4m3 conversion (Triton refuses fp8e4nv
+  there) and MI300's native fp8 is e4m3fnuz, a different encoding. The same
+  bytes on every target and in the interpreter.
 Rows holding NaN or +-inf get scale NaN (tl.max may drop NaNs, so a
 separate flag is reduced), which the public function turns into a ValueError.
 """
@@ -56,6 +61,28 @@ def _quantize_values(x, scale, zero, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
 
 
 @triton.jit
+def _e4m3fn_bits(y):
+    """The e4m3fn byte (as int32) of y, which must already lie on the e4m3 grid with |y| <= 448 (or be NaN)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    e = (mag >> 23) - 127
+    normal = ((e + 7) << 3) | ((mag >> 20) & 7)
+    subnormal = (tl.abs(y) * 512.0).to(tl.int32)  # k * 2^-9 -> k, exact; also 0 for +-0
+    code = tl.where(e >= -6, normal, subnormal)
+    code = tl.where(mag > 0x7F800000, 0x7F, code)  # NaN -> the e4m3fn NaN
+    return code | sign
+
+
+@triton.jit
+def _store_codes(ptr, y, mask, IS_FP8: tl.constexpr):
+    if IS_FP8:
+        tl.store(ptr, _e4m3fn_bits(y).to(tl.uint8), mask=mask)
+    else:
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     W, stride_w, Q, stride_q, S, K, TINY,
     QMAX: tl.constexpr, IS_FP8: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -84,14 +111,14 @@ def _quantize_rows_kernel(
     tl.store(S + row, scale)
     if ONE_TILE:
         y = _quantize_values(x, scale, zero, QMAX, IS_FP8)
-        tl.store(q_row + offs, y.to(Q.dtype.element_ty), mask=mask)
+        _store_codes(q_row + offs, y, mask, IS_FP8)
     else:
         for start in range(0, K, BLOCK_K):
             offs = start + tl.arange(0, BLOCK_K)
             mask = offs < K
             x = tl.load(w_row + offs, mask=mask, other=0.0).to(tl.float32)
             y = _quantize_values(x, scale, zero, QMAX, IS_FP8)
-            tl.store(q_row + offs, y.to(Q.dtype.element_ty), mask=mask)
+            _store_codes(q_row + offs, y, mask, IS_FP8)
 
 
 def _launch(w2d, q_out, scale_out):
@@ -101,9 +128,11 @@ def _launch(w2d, q_out, scale_out):
     one_tile = k <= _MAX_ONE_TILE
     block = triton.next_power_of_2(k) if one_tile else _LOOP_BLOCK
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    is_fp8 = q_out.dtype == torch.float8_e4m3fn
+    codes = q_out.view(torch.uint8) if is_fp8 else q_out  # fp8: bytes assembled in the kernel (see above)
     _quantize_rows_kernel[(n,)](
-        w2d, w2d.stride(0), q_out, q_out.stride(0), scale_out, k, ZERO_ROW_AMAX,
-        QMAX=QMAX[q_out.dtype], IS_FP8=q_out.dtype == torch.float8_e4m3fn, ONE_TILE=one_tile, BLOCK_K=block,
+        w2d, w2d.stride(0), codes, codes.stride(0), scale_out, k, ZERO_ROW_AMAX,
+        QMAX=QMAX[q_out.dtype], IS_FP8=is_fp8, ONE_TILE=one_tile, BLOCK_K=block,
         num_warps=num_warps,
     )
 

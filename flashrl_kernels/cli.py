@@ -45,6 +45,7 @@ def _cmd_info(args) -> int:
                 chosen = f"error: {exc}"
             print(f"  {op:<22} runs on {chosen}")
         if dev.type == "cpu":
+            print(f"  {_quantized_linear_line()}")
             from flashrl_kernels import _cpu_gemm
 
             for dt in (torch.bfloat16, torch.float16):
@@ -56,6 +57,24 @@ def _cmd_info(args) -> int:
     print()
     print(fk.native_status().summary())
     return 0
+
+
+def _quantized_linear_line() -> str:
+    """Which native kernel the vLLM plugin's INT8 W8A8 layers run on this CPU (docs/native.md)."""
+    from flashrl_kernels import _backend
+
+    if not _backend.native_built():
+        return "INT8 W8A8 linear: native library not built (the torch backend's dequantize-and-GEMM)"
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities, qlinear_capabilities
+
+    caps, packed = qlinear_capabilities(), packed_w8a8_capabilities()
+    if packed["vnni"]:
+        brgemm = (f"oneDNN brgemm ({'AMX-INT8 tiles' if packed['amx'] else 'VNNI'}) from {packed['brgemm_min_m']} "
+                  "tokens" if packed["brgemm_min_m"] else "no brgemm")
+        return f"INT8 W8A8 linear: VNNI-packed weights (tiles; {brgemm})"
+    if caps["w8a8_vnni"]:
+        return "INT8 W8A8 linear: plain-layout VNNI kernel (FLASHRL_NATIVE_PACKED=0)"
+    return "INT8 linear: weight-only (no AVX-512 VNNI)"
 
 
 def _standalone_module(name: str):

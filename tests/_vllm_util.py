@@ -58,11 +58,12 @@ def greedy_logprob_diff(ref, llm):
 
 def weights_as_bytes(model):
     """{name: [sha256 of its bytes, byte count, storage address, dtype]} of every parameter and flashrl
-    weight_scale buffer (plain values: a multi-process engine returns results through msgpack)."""
+    weight_scale / weight_comp buffer, as stored (packed weights in packed order; plain values: a multi-process
+    engine returns results through msgpack)."""
     import hashlib
 
     tensors = dict(model.named_parameters())
-    tensors.update({n: b for n, b in model.named_buffers() if n.endswith("weight_scale")})
+    tensors.update({n: b for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_comp"))})
     out = {}
     for n, t in tensors.items():
         b = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()

@@ -86,11 +86,20 @@ def engines(ckpts):
 
 
 def engine_state(llm):
-    """Copies of every parameter and every flashrl weight_scale buffer, and their storage addresses."""
+    """Copies of every parameter and every flashrl weight_scale / weight_comp buffer, and their storage addresses;
+    a packed quantized weight as its codes in logical [out, in] order (so rows compare with quantize_rows)."""
     def grab(model):
+        from flashrl_kernels.integrations.vllm.quant import is_packed, logical_weight
+
+        modules = dict(model.named_modules())
         tensors = dict(model.named_parameters())
-        tensors.update({n: b for n, b in model.named_buffers() if n.endswith("weight_scale")})
-        return {n: (t.detach().clone(), t.data_ptr()) for n, t in tensors.items()}
+        tensors.update({n: b for n, b in model.named_buffers() if n.endswith(("weight_scale", "weight_comp"))})
+        out = {}
+        for n, t in tensors.items():
+            mod = modules.get(n.rpartition(".")[0])
+            codes = logical_weight(mod) if n.endswith(".weight") and mod is not None and is_packed(mod) else t
+            out[n] = (codes.detach().clone(), t.data_ptr())
+        return out
 
     return llm.apply_model(grab)[0]
 
@@ -174,7 +183,7 @@ def test_layers_run_the_native_kernel_directly(engines, quant):
 
     if not _backend.native_built() or os.environ.get("FLASHRL_BACKEND", "native") != "native":
         pytest.skip("the native backend is not the CPU backend here")
-    from flashrl_kernels.native.quantize import qlinear_capabilities
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities, qlinear_capabilities
 
     llm = engines(quant)
     layers = llm.apply_model(lambda m: {
@@ -183,9 +192,35 @@ def test_layers_run_the_native_kernel_directly(engines, quant):
     })[0]
     assert len(layers) == 2 * 4
     w8a8 = quant == "flashrl_int8" and qlinear_capabilities()["w8a8_vnni"]
-    assert all(op is torch.ops.flashrl_native.qlinear and act == w8a8 for op, act in layers.values()), layers
+    # int8 W8A8 layers store their codes VNNI-packed (every tiny-model shape fits) and run the packed kernel
+    packed = w8a8 and packed_w8a8_capabilities()["vnni"]
+    op_w8a8 = torch.ops.flashrl_native.qlinear_packed if packed else torch.ops.flashrl_native.qlinear
+    expected = op_w8a8 if w8a8 else torch.ops.flashrl_native.qlinear
+    assert all(op is expected and act == w8a8 for op, act in layers.values()), layers
+    comps = llm.apply_model(lambda m: sorted(n for n, _ in m.named_buffers() if n.endswith("weight_comp")))[0]
+    assert len(comps) == (2 * 4 if packed else 0)
     head = llm.apply_model(lambda m: getattr(m.lm_head, "_flashrl_direct", "unset"))[0]
     assert head is (torch.ops.flashrl_native.bf16_linear if qlinear_capabilities()["vector"] else None)
+
+
+def test_packed_layout_engine_equals_plain_layout_engine(engines, ckpts):
+    """The VNNI-packed INT8 layers (and packed quantized head) produce exactly the tokens and logprobs of the
+    plain-layout kernels (weight_layout "plain"): same codes, same integer sums, same epilogue."""
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities
+
+    if not packed_w8a8_capabilities()["vnni"] or os.environ.get("FLASHRL_BACKEND", "native") != "native":
+        pytest.skip("the packed W8A8 kernel does not run here")
+    packed = engines("flashrl_int8", "base", lm_head=True)
+    n_packed = packed.apply_model(lambda m: sum(n.endswith("weight_comp") for n, _ in m.named_buffers()))[0]
+    assert n_packed == 2 * 4 + 1  # every linear and the head
+    plain = vllm.LLM(str(ckpts["base"]), quantization="flashrl_int8", **engine_kwargs(), hf_overrides={
+        "quantization_config_dict_json": json.dumps({"quantize_lm_head": True, "weight_layout": "plain"})})
+    try:
+        assert plain.apply_model(lambda m: sum(n.endswith("weight_comp") for n, _ in m.named_buffers()))[0] == 0
+        assert generate(packed) == generate(plain)
+    finally:
+        del plain
+        gc.collect()
 
 
 @pytest.mark.parametrize("quant,mean_tol,max_tol", [("flashrl_int8", 0.05, 0.25), ("flashrl_fp8", 0.2, 1.0)])
@@ -309,6 +344,10 @@ def test_sync_fp32_master_weights_subset(engines, ckpts):
     changed = {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.qkv_proj.weight_scale",
                "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.gate_up_proj.weight_scale",
                "model.norm.weight"}
+    for layer, codes in (("model.layers.1.self_attn.qkv_proj", qkv), ("model.layers.0.mlp.gate_up_proj", gu)):
+        if f"{layer}.weight_comp" in after:  # a packed layer: its row code sums follow its codes
+            assert torch.equal(after[f"{layer}.weight_comp"][0], codes.int().sum(1, dtype=torch.int32))
+            changed.add(f"{layer}.weight_comp")
     assert_same_state({n: v for n, v in after.items() if n not in changed},
                       {n: v for n, v in before.items() if n not in changed}, ptrs=True)
 
@@ -374,6 +413,9 @@ def test_options_are_validated(ckpts):
         FlashRLInt8Config.from_config_dict_json("[]")
     with pytest.raises(ValueError, match="activation_quant must be one of"):
         FlashRLFp8Config.from_config({"activation_quant": "static"})
+    assert FlashRLInt8Config.from_config({}).weight_layout == "auto"
+    with pytest.raises(ValueError, match="weight_layout must be one of"):
+        FlashRLInt8Config.from_config({"weight_layout": "packed"})
     # what a user sees: vLLM refuses the engine with that message (at config time, before loading anything)
     with pytest.raises(ValueError, match=r"unknown flashrl_fp8 option\(s\) \['lm_head'\]"):
         vllm.LLM(str(ckpts["base"]), quantization="flashrl_fp8", **engine_kwargs(),
@@ -392,8 +434,14 @@ def test_quantized_lm_head_engine(engines, ckpts, quant, tied):
     rows are zero rows with scale 1; a tied input embedding shares that one table (no bf16 copy)."""
     name = ckpt_name(tied, perturbed=True)  # a fresh engine nobody syncs into (the sync test compares with it)
     llm = engines(quant, name, lm_head=True)
-    params = llm.apply_model(lambda m: {n: (p.detach().clone(), p.data_ptr())
-                                        for n, p in m.named_parameters(remove_duplicate=False)})[0]
+    def grab(m):
+        from flashrl_kernels.integrations.vllm.quant import is_packed, logical_weight
+
+        mods = dict(m.named_modules(remove_duplicate=False))
+        return {n: ((logical_weight(mods[n[:-7]]) if n.endswith(".weight") and is_packed(mods[n[:-7]]) else p)
+                    .detach().clone(), p.data_ptr()) for n, p in m.named_parameters(remove_duplicate=False)}
+
+    params = llm.apply_model(grab)[0]  # packed tables as their logical rows
     scales = llm.apply_model(lambda m: {n: b.detach().clone() for n, b in m.named_buffers(remove_duplicate=False)
                                         if n.endswith("weight_scale")})[0]
     head, head_ptr = params["lm_head.weight"]

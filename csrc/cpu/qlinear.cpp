@@ -35,6 +35,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_features.h"
+#include "token_quant.h"
 #include "vec_utils.h"
 
 #include <algorithm>
@@ -229,14 +231,7 @@ FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const fp8* p) {
 // ------------------------------------------------------------------ W8A8 int8, VNNI
 #define FLASHRL_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni hides those extensions (to test and time the fallbacks)
-bool cpu_has(const char* what) {
-  if (const char* off = std::getenv("FLASHRL_NATIVE_CPU_DISABLE"); off && std::strstr(off, what)) return false;
-  __builtin_cpu_init();
-  if (std::strcmp(what, "avx512bf16") == 0) return __builtin_cpu_supports("avx512bf16");
-  if (std::strcmp(what, "avx512vnni") == 0) return __builtin_cpu_supports("avx512vnni");
-  return false;
-}
+// cpu_has (cpu_features.h): FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni hides them
 const bool kHasBf16 = cpu_has("avx512bf16");
 const bool kHasVnni = cpu_has("avx512vnni");
 #else
@@ -314,72 +309,6 @@ struct Writer {
 };
 #endif
 
-#if defined(CPU_CAPABILITY_AVX512)
-template <typename T>
-inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-}
-
-// the spec's per-token int8 quantization (scale = fp32(amax / 127), y = fp32(x / scale), round half even,
-// zero rows scale 1; a row with NaN / inf gets scale NaN, which makes its outputs NaN), stored as int8 codes
-// in rows padded with 0 to ldu, with each row's code sum in xsum[m] (the tiles' offset correction)
-template <typename T>
-void quantize_tokens_s8(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t ldu, int8_t* xq, float* xs,
-                        int32_t* xsum) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) {
-      const T* r = x + m * ldx;
-      __m512 vmax = _mm512_setzero_ps(), vbad = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {
-        const __m512 v = load16(r + k);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-        vbad = _mm512_add_ps(vbad, _mm512_sub_ps(v, v));  // NaN for NaN / inf lanes
-      }
-      float amax = _mm512_reduce_max_ps(vmax);
-      bool finite = !std::isnan(_mm512_reduce_add_ps(vbad));
-      for (; k < K; ++k) {
-        const float v = to_f32(r[k]);
-        finite = finite && std::isfinite(v);
-        amax = std::max(amax, std::abs(v));
-      }
-      int8_t* u = xq + m * ldu;
-      if (!finite || amax <= kZeroRowAmax) {
-        std::fill(u, u + ldu, int8_t{0});
-        xs[m] = finite ? 1.f : std::numeric_limits<float>::quiet_NaN();
-        xsum[m] = 0;
-        continue;
-      }
-      const float s = amax / 127.f;  // fp32 division, correctly rounded
-      xs[m] = s;
-      const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
-      __m512i vsum = _mm512_setzero_si512();
-      for (k = 0; k + 16 <= K; k += 16) {
-        __m512 y = _mm512_roundscale_ps(_mm512_div_ps(load16(r + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        y = _mm512_min_ps(hi, _mm512_max_ps(lo, y));
-        const __m512i qi = _mm512_cvtps_epi32(y);
-        vsum = _mm512_add_epi32(vsum, qi);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k), _mm512_cvtsepi32_epi8(qi));
-      }
-      int32_t total = _mm512_reduce_add_epi32(vsum);
-      for (; k < K; ++k) {
-        const float q = std::min(127.f, std::max(-128.f, std::nearbyint(to_f32(r[k]) / s)));
-        u[k] = static_cast<int8_t>(q);
-        total += static_cast<int32_t>(q);
-      }
-      std::fill(u + K, u + ldu, int8_t{0});
-      xsum[m] = total;
-    }
-  });
-}
-#endif
 
 #if !defined(CPU_CAPABILITY_AVX512)
 // y = x @ (w * scale).T + bias with fp32 FMAs; scale may be null (1)
@@ -544,13 +473,16 @@ FLASHRL_VNNI_TARGET inline __m512 vnni_tile(const int8_t* const* xr, const int8_
 template <typename Out>
 inline void store_tile(__m512 dots, __m512 colscale, __m512 colbias, const float* xs, int64_t m0, int64_t mt,
                        __mmask8 nmask, Out* yr, int64_t N) {
+  // (dot * scale) * xs + bias with one explicit FMA: the compiler may not contract it differently per kernel,
+  // so this and qlinear_packed.cpp's epilogue round alike (their outputs are bit-identical)
   __m512 v = _mm512_mul_ps(dots, colscale);
+  __m512 xsv = _mm512_set1_ps(1.f);
   if (xs) {
     const __m512i xs_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m128 s4 = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << mt) - 1), xs + m0);
-    v = _mm512_mul_ps(v, _mm512_permutexvar_ps(xs_idx, _mm512_castps128_ps512(s4)));
+    xsv = _mm512_permutexvar_ps(xs_idx, _mm512_castps128_ps512(s4));
   }
-  v = _mm512_add_ps(v, colbias);
+  v = _mm512_fmadd_ps(v, xsv, colbias);
   const int64_t nb = __builtin_popcount(nmask);
   if constexpr (std::is_same_v<Out, float>) {
     alignas(64) float buf[16];
@@ -771,7 +703,7 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
     std::vector<int8_t> xq(static_cast<size_t>(M * ldu));
     std::vector<float> xs(static_cast<size_t>(M));
     std::vector<int32_t> xsum(static_cast<size_t>(M + 4));  // + 4: a partial tile's unused lanes read past M
-    quantize_tokens_s8(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xq.data(), xs.data(), xsum.data());
+    quantize_tokens_s8<false>(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xq.data(), xs.data(), xsum.data());
     const StoredRows<int8_t> rows{q.const_data_ptr<int8_t>(), ldw};
     const int32_t* sums = xsum.data();
     drive512<Out, int8_t, int8_t>(M, N, K, xq.data(), ldu, xs.data(), scale, bias, yp, [&] { return rows; },

@@ -6,12 +6,14 @@
 //   int8: q_j = clamp(round_half_even(y_j), -128, 127), NaN -> 0;
 //   fp8:  q_j = e4m3fn(clamp(y_j, -448, 448)), round to nearest even;  zero rows: q = +0.
 // quantize_rows_counted also counts the codes that changed (what a weight sync reports).
+// quantize_rows_packed writes the same codes into the VNNI-packed layout of the W8A8 linear (see below).
 // Two passes over each row (its max, then the quotients), rows spread over threads; a row
 // of a 4096-wide bf16 weight is 8 KiB, so the second pass reads from L1/L2.
 // The fp32 -> e4m3fn conversion is ATen's vectorised one on AVX-512 (the same algorithm as
 // c10's scalar conversion, which torch's .to() uses) and c10's scalar one elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -21,7 +23,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "vec_utils.h"
 
@@ -223,16 +227,143 @@ int64_t quantize_rows_counted(const at::Tensor& w, at::Tensor& q_out, at::Tensor
   return quantize_checked<true>(w, q_out, scale_out);
 }
 
+// ------------------------------------------------------------------ the VNNI-packed int8 layout
+// A logical [N, K] int8 weight (N % 64 == 0, K % 4 == 0) stored for the packed W8A8 linear
+// (qlinear_packed.cpp): code (n, k) at byte ((n / 64) * (K / 4) + k / 4) * 256 + (n % 64) * 4 + k % 4, and
+// comp[n] = sum_k q[n, k] (int32) beside it. quantize_rows_packed writes rows [row0, row0 + R) of that
+// weight from R float rows, with exactly the codes and scales quantize_rows gives, and their sums.
+constexpr int64_t kPackRows = 64;
+constexpr int64_t kPackGroup = kPackRows * 4;  // bytes of one k-group of a block: 4 k of 64 rows
+
+inline int64_t nonzero_bytes(uint32_t x) {
+  return __builtin_popcount((((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | x) & 0x80808080u);
+}
+
+template <bool kCount, typename T>
+int64_t quantize_packed_impl(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out, at::Tensor& comp_out,
+                             int64_t row0) {
+  const int64_t rows = w.size(0), k = w.size(1), groups = k / 4, ws = w.stride(0);
+  const T* wp = w.const_data_ptr<T>();
+  int8_t* qp = q_out.data_ptr<int8_t>();
+  float* sp = scale_out.data_ptr<float>();
+  int32_t* cp = comp_out.data_ptr<int32_t>();
+  const int64_t first = row0 / kPackRows, last = (row0 + rows - 1) / kPackRows;
+  std::atomic<int64_t> total{0};
+  // whole 64-row blocks per task: rows of one block share every cache line they write
+  at::parallel_for(first, last + 1, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int8_t> codes(static_cast<size_t>(k));
+    int64_t changed = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = std::max(row0, b * kPackRows), n1 = std::min(row0 + rows, (b + 1) * kPackRows);
+      int8_t* block = qp + b * groups * kPackGroup;
+      for (int64_t n = n0; n < n1; ++n) {
+        const T* x = wp + (n - row0) * ws;
+        const auto [amax, finite] = row_amax(x, k);
+        if (finite && amax <= kZeroRowAmax) {
+          std::fill(codes.begin(), codes.end(), int8_t{0});
+          sp[n] = 1.f;
+        } else {
+          sp[n] = finite ? amax / 127.f : kNaN;
+          quantize_row_int8<false>(x, codes.data(), k, sp[n]);
+        }
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; ++i) sum += codes[static_cast<size_t>(i)];
+        cp[n] = sum;
+        int8_t* dst = block + (n % kPackRows) * 4;
+        for (int64_t g = 0; g < groups; ++g) {
+          uint32_t v;
+          std::memcpy(&v, codes.data() + 4 * g, 4);
+          if constexpr (kCount) {
+            uint32_t old;
+            std::memcpy(&old, dst + g * kPackGroup, 4);
+            changed += nonzero_bytes(old ^ v);
+          }
+          std::memcpy(dst + g * kPackGroup, &v, 4);
+        }
+      }
+    }
+    if constexpr (kCount) total += changed;
+  });
+  return total.load();
+}
+
+void check_packed(const at::Tensor& q, const char* op) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.device().is_cpu(), op,
+              ": q must be a contiguous int8 CPU tensor [N, K] holding the packed layout");
+  TORCH_CHECK(q.size(0) % kPackRows == 0 && q.size(1) % 4 == 0, op,
+              ": the packed layout needs N % 64 == 0 and K % 4 == 0, got ", q.sizes());
+}
+
+// rows [row0, row0 + R) of the packed weight q_out [N, K] (with their scales and row sums) from w [R, K]
+int64_t quantize_rows_packed(const at::Tensor& w, at::Tensor& q_out, at::Tensor& scale_out, at::Tensor& comp_out,
+                             int64_t row0, bool count) {
+  constexpr const char* op = "quantize_rows_packed";
+  check_packed(q_out, op);
+  const int64_t n = q_out.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == q_out.size(1), op, ": w must be [R, K] with K = ", q_out.size(1),
+              ", got ", w.sizes());
+  TORCH_CHECK(row0 >= 0 && row0 + w.size(0) <= n, op, ": rows [", row0, ", ", row0 + w.size(0),
+              ") are outside the weight's ", n, " rows");
+  TORCH_CHECK(scale_out.dim() == 1 && scale_out.size(0) == n && scale_out.scalar_type() == at::kFloat &&
+                  scale_out.is_contiguous(), op, ": scale_out must be contiguous float32 [N]");
+  TORCH_CHECK(comp_out.dim() == 1 && comp_out.size(0) == n && comp_out.scalar_type() == at::kInt &&
+                  comp_out.is_contiguous(), op, ": comp_out must be contiguous int32 [N]");
+  TORCH_CHECK(w.device().is_cpu() && scale_out.device().is_cpu() && comp_out.device().is_cpu(), op,
+              ": CPU tensors only");
+  const auto wt = w.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf, op,
+              ": w must be float32, bfloat16 or float16, got ", wt);
+  TORCH_CHECK(w.stride(1) == 1 || w.size(1) <= 1, op, ": rows of w must have unit stride");
+  if (w.numel() == 0) return 0;
+  auto go = [&](auto tag) {
+    using T = decltype(tag);
+    return count ? quantize_packed_impl<true, T>(w, q_out, scale_out, comp_out, row0)
+                 : quantize_packed_impl<false, T>(w, q_out, scale_out, comp_out, row0);
+  };
+  switch (wt) {
+    case at::kFloat: return go(float{});
+    case at::kBFloat16: return go(c10::BFloat16{});
+    default: return go(c10::Half{});
+  }
+}
+
+// the logical rows `ids` [L] of a packed weight, as a plain [L, K] int8 tensor
+at::Tensor unpack_rows(const at::Tensor& q, const at::Tensor& ids) {
+  constexpr const char* op = "unpack_rows";
+  check_packed(q, op);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.device().is_cpu(), op,
+              ": ids must be a 1-D int64 CPU tensor");
+  const int64_t n = q.size(0), k = q.size(1), groups = k / 4, len = ids.size(0);
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < len; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, op, ": row id ", ip[i], " outside [0, ", n, ")");
+  at::Tensor out = at::empty({len, k}, q.options());
+  const int8_t* qp = q.const_data_ptr<int8_t>();
+  int8_t* op_ = out.data_ptr<int8_t>();
+  at::parallel_for(0, len, std::max<int64_t>(1, 4096 / std::max<int64_t>(groups, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int8_t* src = qp + (ip[i] / kPackRows) * groups * kPackGroup + (ip[i] % kPackRows) * 4;
+      for (int64_t g = 0; g < groups; ++g) std::memcpy(op_ + i * k + 4 * g, src + g * kPackGroup, 4);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flashrl_native, m) {
   m.def("quantize_rows(Tensor w, Tensor(a!) q_out, Tensor(b!) scale_out) -> ()");
   m.def("quantize_rows_counted(Tensor w, Tensor(a!) q_out, Tensor(b!) scale_out) -> int");
+  m.def("quantize_rows_packed(Tensor w, Tensor(a!) q_out, Tensor(b!) scale_out, Tensor(c!) comp_out, int row0, "
+        "bool count) -> int");
+  m.def("unpack_rows(Tensor q, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
   m.impl("quantize_rows_counted", &quantize_rows_counted);
+  m.impl("quantize_rows_packed", &quantize_rows_packed);
+  m.impl("unpack_rows", &unpack_rows);
 }
 
 }  // namespace flashrl_native

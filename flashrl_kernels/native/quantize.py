@@ -13,6 +13,11 @@
     the weight-only kernel).
   Portable (DEFAULT) builds and unusual layouts use ATen's dequantize-and-GEMM, shared with
   the torch backend.
+- The VNNI-packed W8A8 linear (csrc/cpu/qlinear_packed.cpp), for weights that a quantized
+  layer owns (the vLLM plugin's INT8 layers on AVX-512 VNNI CPUs): the codes live in the
+  layout the kernel reads (lanes along the output rows), written there directly by
+  quantize_rows_packed_ at every load and sync, with each row's code sum beside them;
+  oneDNN's brgemm runs the same bytes on AMX-INT8 tiles. See docs/native.md.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import torch
 from ..torch_impl import quantize as _torch_quantize
 from ..torch_impl.quantize import dequantize_rows_forward, scaled_linear_with
 
-__all__ = ["dequantize_rows_forward", "qlinear_capabilities", "quantize_rows_forward", "scaled_linear_forward"]
+__all__ = ["dequantize_rows_forward", "packed_w8a8_capabilities", "packed_w8a8_fits", "qlinear_capabilities",
+           "quantize_rows_forward", "quantize_rows_packed_", "scaled_linear_forward", "unpack_rows"]
 
 # int32 sums of the W8A8 kernel stay exact up to this reduction length (csrc/cpu/qlinear.cpp)
 _W8A8_MAX_K = 65536
@@ -109,3 +115,52 @@ def direct_bf16_linear(w: torch.Tensor):
             or not qlinear_capabilities()["vector"]):
         return None
     return torch.ops.flashrl_native.bf16_linear
+
+
+# ---------------------------------------------------------------- the VNNI-packed W8A8 linear
+
+PACK_ROWS = 64  # output rows per packed block; the packed layout needs N % 64 == 0 and K % 4 == 0
+
+
+@functools.cache
+def packed_w8a8_capabilities() -> dict:
+    """{'vnni': the packed kernel runs here, 'amx': AMX-INT8 tiles granted to this process,
+    'brgemm_min_m': tokens from which a call runs oneDNN's brgemm (0: never)}.
+
+    FLASHRL_NATIVE_PACKED=0 reports the kernel as unavailable (quantized layers then keep the plain layout)."""
+    import os
+
+    vnni, amx, min_m = torch.ops.flashrl_native.qlinear_packed_caps()
+    return {"vnni": bool(vnni) and os.environ.get("FLASHRL_NATIVE_PACKED", "1") != "0", "amx": bool(amx),
+            "brgemm_min_m": int(min_m)}
+
+
+def packed_w8a8_fits(shape) -> bool:
+    """Whether an int8 weight of this [N, K] shape can be stored packed for the W8A8 kernel on this CPU."""
+    n, k = shape
+    return packed_w8a8_capabilities()["vnni"] and n % PACK_ROWS == 0 and k % 4 == 0 and 0 < k <= _W8A8_MAX_K
+
+
+def quantize_rows_packed_(w2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, comp: torch.Tensor, row0: int,
+                          count: bool = False) -> int:
+    """Quantize the rows of w2d [R, K] into rows [row0, row0 + R) of the packed weight q [N, K] (int8 codes
+    exactly as quantize_rows gives them), their scales into scale[row0:], their code sums into comp[row0:];
+    returns how many codes changed when count (else 0)."""
+    return torch.ops.flashrl_native.quantize_rows_packed(w2d, q, scale, comp, row0, count)
+
+
+def unpack_rows(q: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The logical [len(ids), K] int8 rows (all N rows when ids is None) of a packed weight."""
+    if ids is None:
+        ids = torch.arange(q.shape[0], device=q.device)
+    return torch.ops.flashrl_native.unpack_rows(q, ids)
+
+
+@torch.library.register_fake("flashrl_native::qlinear_packed")
+def _qlinear_packed_fake(x, q, scale, comp, bias):
+    return x.new_empty((x.shape[0], q.shape[0]))
+
+
+@torch.library.register_fake("flashrl_native::unpack_rows")
+def _unpack_rows_fake(q, ids):
+    return q.new_empty((ids.shape[0], q.shape[1]))

@@ -264,6 +264,17 @@ def direct_bf16_linear(w: Tensor):
     return _direct(w)
 
 
+def direct_packed_w8a8(q: Tensor) -> bool:
+    """Whether the native VNNI-packed W8A8 kernel (torch.ops.flashrl_native.qlinear_packed) can compute a layer
+    whose int8 CPU weight has q's shape when the layer stores it packed: the native backend is selected and the
+    CPU and shape fit (see flashrl_kernels.native.quantize.packed_w8a8_fits)."""
+    if q.dtype != torch.int8 or q.dim() != 2 or not _native_selected(q):
+        return False
+    from ..native.quantize import packed_w8a8_fits
+
+    return packed_w8a8_fits(tuple(q.shape))
+
+
 def _native_selected(t: Tensor) -> bool:
     if t.device.type != "cpu":
         return False

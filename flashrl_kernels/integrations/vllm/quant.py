@@ -3,7 +3,13 @@
 Every linear layer (column, row, QKV, merged gate/up) gets
   weight        [out, in]  torch.int8 or torch.float8_e4m3fn   (a vLLM ModelWeightParameter)
   weight_scale  [out]      fp32, one scale per output row      (a buffer)
-and no bf16 copy. The weight's loader takes the bf16/fp32 tensor that vLLM's
+and no bf16 copy. INT8 layers that run the native W8A8 kernel on an AVX-512 VNNI CPU
+(activation mode "auto" or "dynamic"; out % 64 == 0, in % 4 == 0) store their codes in
+that kernel's VNNI-packed order instead (the same bytes permuted, same shape; see
+docs/native.md), plus
+  weight_comp   [out]      int32, each row's code sum           (a buffer)
+written with the codes by the same loader; `logical_weight(layer)` reads the codes back
+in [out, in] order. The weight's loader takes the bf16/fp32 tensor that vLLM's
 model.load_weights hands it (from the checkpoint at start-up, from the trainer
 at a sync), quantizes it with flashrl_kernels' quantize_rows_ and writes the
 rows and their scales into the existing storage, at the row offset of the
@@ -63,7 +69,9 @@ _ACT_QUANT = ("auto", "dynamic", "none")
 OPTIONS = {
     "activation_quant": '"auto" (default), "dynamic" or "none"',
     "quantize_lm_head": "false (default) or true",
+    "weight_layout": '"auto" (default: VNNI-packed where the native W8A8 kernel runs) or "plain"',
 }
+_LAYOUTS = ("auto", "plain")
 
 
 def use_activation_quant(mode: str, weight: torch.Tensor) -> bool:
@@ -98,15 +106,48 @@ def prepare_layer(layer: torch.nn.Module, mode: str) -> None:
     """
     from flashrl_kernels.ops.quantize import direct_scaled_linear
 
+    if is_packed(layer):  # W8A8 on the packed kernel, the only one that reads this layout
+        layer._flashrl_act_quant = True
+        layer._flashrl_direct = torch.ops.flashrl_native.qlinear_packed
+        return
     act = use_activation_quant(mode, layer.weight)
     layer._flashrl_act_quant = act
     layer._flashrl_direct = None if layer.weight.is_meta else direct_scaled_linear(layer.weight, act)
 
 
+def _packed_layout(weight: torch.Tensor, mode: str) -> bool:
+    """Whether a new quantized weight is stored VNNI-packed: int8 on the CPU, W8A8 in this mode, and the native
+    packed kernel selected and fitting its shape. Decided once, when the layer is built (it fixes the layout)."""
+    if weight.dtype != torch.int8 or weight.device.type != "cpu" or not use_activation_quant(mode, weight):
+        return False
+    from flashrl_kernels.ops.quantize import direct_packed_w8a8
+
+    return direct_packed_w8a8(weight)
+
+
+def is_packed(layer: torch.nn.Module) -> bool:
+    """Whether `layer`'s quantized weight is stored in the native W8A8 kernel's VNNI-packed order."""
+    return getattr(layer, "weight_comp", None) is not None
+
+
+def logical_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A flashrl layer's quantized codes in their logical [out, in] row order (a copy when packed, else the
+    weight itself): what dequantize_rows(codes, layer.weight_scale) takes."""
+    if not is_packed(layer):
+        return layer.weight.data
+    from flashrl_kernels.native.quantize import unpack_rows
+
+    return unpack_rows(layer.weight.data)
+
+
 def _scaled_linear(layer: torch.nn.Module, x: torch.Tensor, bias, mode: str) -> torch.Tensor:
+    k = x.shape[-1]
+    if is_packed(layer):  # its codes are only readable by the packed kernel
+        y = torch.ops.flashrl_native.qlinear_packed(x.reshape(-1, k), layer.weight, layer.weight_scale,
+                                                     layer.weight_comp, bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
     if not hasattr(layer, "_flashrl_act_quant"):
         prepare_layer(layer, mode)
-    k = x.shape[-1]
     op = layer._flashrl_direct or torch.ops.flashrl.scaled_linear
     y = op(x.reshape(-1, k), layer.weight, layer.weight_scale, bias, layer._flashrl_act_quant)
     return y.view(*x.shape[:-1], y.shape[-1])
@@ -174,9 +215,22 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
             src = src.to(q.device, non_blocking=True)
         if src.stride(-1) != 1:
             src = src.contiguous()
-        scale = self._layer().weight_scale.narrow(0, row_offset, rows)
+        layer = self._layer()
         # the sync validated finiteness up front; at start-up a non-finite checkpoint row gives scale NaN
         stats = _sync_stats
+        if is_packed(layer):
+            from flashrl_kernels.native.quantize import quantize_rows_packed_
+
+            scale = layer.weight_scale
+            old_scale = scale.narrow(0, row_offset, rows).clone() if stats is not None else None
+            changed = quantize_rows_packed_(src, self.data, scale, layer.weight_comp, row_offset, stats is not None)
+            if stats is not None:
+                stats.codes_changed += changed
+                stats.codes_total += rows * self.data.shape[1]
+                new = scale.narrow(0, row_offset, rows)
+                stats.rel_scale_changes.append(((new - old_scale).abs() / old_scale).max())
+            return
+        scale = layer.weight_scale.narrow(0, row_offset, rows)
         if stats is None:
             torch.ops.flashrl.quantize_rows_(src, q, scale)
             return
@@ -227,8 +281,14 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
         self._write(0, loaded_weight.narrow(0, start, n))
         pad = self.data.narrow(0, n, self.data.shape[0] - n)
         if pad.numel() and not pad.is_meta:
-            pad.zero_()
-            self._layer().weight_scale.narrow(0, n, pad.shape[0]).fill_(1.0)
+            if is_packed(layer):  # zero rows, scale 1, sum 0: the quantizer's encoding of a zero row
+                from flashrl_kernels.native.quantize import quantize_rows_packed_
+
+                quantize_rows_packed_(torch.zeros(pad.shape, dtype=torch.float32), self.data, layer.weight_scale,
+                                      layer.weight_comp, n, False)
+            else:
+                pad.zero_()
+                layer.weight_scale.narrow(0, n, pad.shape[0]).fill_(1.0)
             if _sync_stats is not None:  # written too, never changed: zeros since the first load
                 _sync_stats.codes_total += pad.numel()
 
@@ -256,20 +316,23 @@ def _vocab_weight_loader(param: FlashRLQuantizedWeight, loaded_weight: torch.Ten
     param.load_vocab_weight(loaded_weight)
 
 
-def _new_quantized_weight(layer: torch.nn.Module, rows: int, cols: int, dtype: torch.dtype, weight_loader):
-    """Register layer.weight [rows, cols] (int8/fp8, zeros) and layer.weight_scale [rows] (fp32, ones)."""
-    weight = FlashRLQuantizedWeight(
-        data=torch.zeros(rows, cols, dtype=torch.int8).to(dtype),
-        input_dim=1,
-        output_dim=0,
-        weight_loader=weight_loader,
-    )
+def _new_quantized_weight(layer: torch.nn.Module, rows: int, cols: int, dtype: torch.dtype, weight_loader,
+                          mode: str, layout: str = "auto"):
+    """Register layer.weight [rows, cols] (int8/fp8, zeros) and layer.weight_scale [rows] (fp32, ones); and, when
+    the weight is stored packed (_packed_layout), layer.weight_comp [rows] (int32 row code sums, zeros)."""
+    data = torch.zeros(rows, cols, dtype=torch.int8).to(dtype)
+    packed = layout == "auto" and _packed_layout(data, mode)
+    weight = FlashRLQuantizedWeight(data=data, input_dim=1, output_dim=0, weight_loader=weight_loader)
     weight._flashrl_layer = weakref.ref(layer)
     layer.register_parameter("weight", weight)
-    # a buffer, not a parameter: it is written by the weight's loader, never loaded by name
+    # buffers, not parameters: written by the weight's loader, never loaded by name
     scale = torch.ones(rows, dtype=torch.float32)
     scale.weight_loader_numel = 0  # tells vLLM's layerwise reload that no loader fills it by name
     layer.register_buffer("weight_scale", scale)
+    if packed:
+        comp = torch.zeros(rows, dtype=torch.int32)
+        comp.weight_loader_numel = 0
+        layer.register_buffer("weight_comp", comp)
     return weight
 
 
@@ -291,7 +354,8 @@ class FlashRLLinearMethod(LinearMethodBase):
     ):
         weight_loader = extra_weight_attrs.pop("weight_loader")
         rows = sum(output_partition_sizes)
-        weight = _new_quantized_weight(layer, rows, input_size_per_partition, self.config.weight_dtype, weight_loader)
+        weight = _new_quantized_weight(layer, rows, input_size_per_partition, self.config.weight_dtype, weight_loader,
+                                       self.config.activation_quant, self.config.weight_layout)
         for key, value in extra_weight_attrs.items():
             setattr(weight, key, value)
 
@@ -357,7 +421,8 @@ class FlashRLQuantizedEmbeddingMethod(QuantizeMethodBase):
     ):
         rows = sum(output_partition_sizes)
         weight = _new_quantized_weight(
-            layer, rows, input_size_per_partition, self.config.weight_dtype, _vocab_weight_loader
+            layer, rows, input_size_per_partition, self.config.weight_dtype, _vocab_weight_loader,
+            self.config.activation_quant, self.config.weight_layout,
         )
         # elements a load writes from the checkpoint (padding rows excluded), for vLLM's layerwise reload
         weight.weight_loader_numel = layer.num_org_embeddings_per_partition * input_size_per_partition
@@ -371,8 +436,10 @@ class FlashRLQuantizedEmbeddingMethod(QuantizeMethodBase):
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         q = layer.weight
         ids = input_.reshape(-1)
-        # gather through an int8 view: a plain byte gather for int8 and fp8 alike
-        rows = q.view(torch.int8).index_select(0, ids).view(q.dtype)
+        if is_packed(layer):
+            rows = torch.ops.flashrl_native.unpack_rows(q, ids)
+        else:  # gather through an int8 view: a plain byte gather for int8 and fp8 alike
+            rows = q.view(torch.int8).index_select(0, ids).view(q.dtype)
         out = torch.ops.flashrl.dequantize_rows(rows, layer.weight_scale.index_select(0, ids), layer.params_dtype)
         return out.view(*input_.shape, q.shape[1])
 
@@ -384,8 +451,9 @@ class FlashRLQuantizedEmbeddingMethod(QuantizeMethodBase):
             # the embedding was built in the model dtype: rebuild its weight quantized, owned by it
             # (its loader is the one vLLM calls for the checkpoint's embed_tokens tensor)
             del embed_tokens.weight
-            if "weight_scale" in embed_tokens._buffers:
-                del embed_tokens.weight_scale
+            for buf in ("weight_scale", "weight_comp"):
+                if buf in embed_tokens._buffers:
+                    delattr(embed_tokens, buf)
             self.create_weights(
                 embed_tokens,
                 embed_tokens.embedding_dim,
@@ -403,6 +471,8 @@ class FlashRLQuantizedEmbeddingMethod(QuantizeMethodBase):
             )
         layer.weight = embed_tokens.weight
         layer.weight_scale = embed_tokens.weight_scale
+        if is_packed(embed_tokens):
+            layer.weight_comp = embed_tokens.weight_comp
         return layer
 
 
@@ -412,19 +482,24 @@ class FlashRLQuantConfig(QuantizationConfig):
                       "dynamic" or "none".
     quantize_lm_head: False (default: embeddings and LM head in the model dtype) or True
                       (INT8/FP8 LM head; a tied input embedding shares its quantized table).
+    weight_layout:    "auto" (INT8 W8A8 layers on AVX-512 VNNI CPUs store their codes in the packed kernel's
+                      order) or "plain" (always [out, in] rows: the plain-layout kernel, e.g. to compare the two).
     """
 
     weight_dtype: torch.dtype = torch.int8
     method_name: str = ""
 
-    def __init__(self, activation_quant: str = "auto", quantize_lm_head: bool = False):
+    def __init__(self, activation_quant: str = "auto", quantize_lm_head: bool = False, weight_layout: str = "auto"):
         super().__init__()
         if activation_quant not in _ACT_QUANT:
             raise ValueError(f"activation_quant must be one of {_ACT_QUANT}, got {activation_quant!r}")
         if not isinstance(quantize_lm_head, bool):
             raise TypeError(f"quantize_lm_head must be true or false, got {quantize_lm_head!r}")
+        if weight_layout not in _LAYOUTS:
+            raise ValueError(f"weight_layout must be one of {_LAYOUTS}, got {weight_layout!r}")
         self.activation_quant = activation_quant
         self.quantize_lm_head = quantize_lm_head
+        self.weight_layout = weight_layout
 
     def get_name(self) -> str:
         return self.method_name
@@ -451,6 +526,7 @@ class FlashRLQuantConfig(QuantizationConfig):
         return cls(
             activation_quant=config.get("activation_quant", "auto"),
             quantize_lm_head=config.get("quantize_lm_head", False),
+            weight_layout=config.get("weight_layout", "auto"),
         )
 
     @classmethod

@@ -65,6 +65,8 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    from .quant import is_packed
+
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     index: dict[str, _Target] = {}
     canonical: dict[int, str] = {}  # id(embedding parameter) -> first name, in vLLM's traversal order
@@ -76,10 +78,12 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
         elt = param.element_size()
         if isinstance(module, LinearBase) and attr in ("weight", "bias"):
             quant = _is_quantized(module) and attr == "weight"
-            # this rank's bytes per stored row: its input columns (+ the fp32 row scale when quantized)
-            # (from the layer's partition sizes: vLLM's CPU repacking may change a bf16 weight's own shape)
+            # this rank's bytes per stored row: its input columns (+ the fp32 row scale when quantized, + the
+            # int32 row code sum when packed) (from the layer's partition sizes: vLLM's CPU repacking may change
+            # a bf16 weight's own shape)
             local_in = getattr(module, "input_size_per_partition", module.input_size)
-            row_bytes = (local_in * elt + (4 if quant else 0)) if attr == "weight" else elt
+            extra = (4 + (4 if is_packed(module) else 0)) if quant else 0
+            row_bytes = (local_in * elt + extra) if attr == "weight" else elt
             out_sizes = _checkpoint_out_sizes(module)
             local_sizes = list(getattr(module, "output_partition_sizes", None) or [module.output_size])
             if len(local_sizes) != len(out_sizes):  # a layer type whose parts vLLM does not list per rank
@@ -97,7 +101,7 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
         elif isinstance(module, VocabParallelEmbedding) and attr == "weight":
             # the trainer sends the unpadded, unsharded vocabulary; the loader writes every row of this
             # rank's padded shard (padding rows as zeros), plus an fp32 scale per row when quantized
-            row_bytes = shape[1] * elt + (4 if _is_quantized(module) else 0)
+            row_bytes = shape[1] * elt + ((4 + (4 if is_packed(module) else 0)) if _is_quantized(module) else 0)
             first = canonical.setdefault(id(param), pname)
             # a tied alias (lm_head.weight of a model that ties it to embed_tokens.weight): vLLM's
             # loader skips that name, so it writes nothing (see prepare)

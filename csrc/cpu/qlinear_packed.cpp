@@ -1,0 +1,355 @@
+// W8A8 INT8 linear on VNNI-packed weights: the rollout engine's linear layers on AVX-512 VNNI CPUs.
+//
+//   y[m, n] = (sum_k xq[m, k] * q[n, k]) * scale[n] * xs[m] + bias[n]        (output in x's dtype)
+//
+// xq, xs: the spec's per-token int8 quantization of x (token_quant.h); q, scale: the weight's per-row codes and
+// scales in the packed layout quantize_rows_packed writes (quantize.cpp), with comp[n] = sum_k q[n, k]:
+//   [N / 64][K / 4][64][4]   code (n, k) at ((n / 64) * (K / 4) + k / 4) * 256 + (n % 64) * 4 + k % 4
+// One 64-byte vector of it holds 4 k of 16 rows: the signed operand of vpdpbusd with lanes along N. The
+// activations are the unsigned operand, stored as code + 128 and broadcast 4 bytes at a time, so
+//   sum_k (xq + 128) * q = sum_k xq * q + 128 * comp[n]
+// and the row sums, written with the codes at every sync, remove the offset (exact in int32 for K <= 65536).
+// Against the plain-layout kernel (qlinear.cpp: lanes along K, a horizontal sum per output, an xor per weight
+// vector to make it unsigned) every vector instruction of the inner loop is a dot product, and the epilogue
+// writes 16 contiguous outputs per vector. Same integers, same epilogue arithmetic: the two kernels' outputs
+// are bit-identical.
+//
+// Two drivers over the same bytes:
+//   tiles:  4 tokens x 64 rows of int32 accumulators (16 zmm); a thread streams its contiguous run of row blocks
+//           once per 4 tokens (decode: from memory; prefill: tokens in chunks whose codes stay in L2, the block
+//           re-read from L2 by every 4 tokens of the chunk);
+//   brgemm: oneDNN's u8 x s8 batch-reduce GEMM (ATen's cpublas::brgemm, ld_b = 64), which runs AMX-INT8 tiles on
+//           CPUs that have them; taken for M >= FLASHRL_NATIVE_BRGEMM_MIN_M (default: 32 on AMX CPUs, never
+//           elsewhere, where the tiles are faster; docs/native.md).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if __has_include(<ATen/cpu/Utils.h>)
+#include <ATen/cpu/Utils.h>
+#define FLASHRL_HAS_INIT_AMX 1
+#endif
+
+#include "cpu_features.h"
+#include "token_quant.h"
+#include "vec_utils.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace flashrl_native {
+namespace {
+
+constexpr int64_t kPackRows = 64;
+constexpr int64_t kPackGroup = kPackRows * 4;  // bytes of one k-group of a block
+constexpr int64_t kTokenChunk = 256;  // tokens per pass over the weight: their u8 codes (256 K bytes) stay in L2
+constexpr int64_t kBrgemmRows = 32;  // tokens per brgemm call (two 16-row AMX tiles of A)
+constexpr int64_t kMaxK = 65536;  // int32 sums of (u8 + 128) x s8 products stay exact
+
+struct PackedConfig {
+  bool vnni = false;
+  bool amx = false;  // AMX-TILE + AMX-INT8, and Linux granted this process the tile state
+  int64_t brgemm_min_m = 0;  // 0: never
+};
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long r = std::strtoll(v, &end, 10);
+  return (end && *end == '\0' && r >= 0) ? static_cast<int64_t>(r) : fallback;
+}
+
+const PackedConfig& config() {
+  static const PackedConfig c = [] {
+    PackedConfig r;
+#if defined(CPU_CAPABILITY_AVX512)
+    r.vnni = cpu_has("avx512vnni");
+#endif
+#if defined(FLASHRL_HAS_INIT_AMX) && defined(CPUBLAS_BRGEMM_U8I8I32)
+    // init_amx asks Linux for the tile state (arch_prctl); AMX instructions fault until a process has it
+    r.amx = cpu_has("amx") && at::cpu::init_amx();
+#endif
+#if defined(CPUBLAS_BRGEMM_U8I8I32)
+    r.brgemm_min_m = env_int("FLASHRL_NATIVE_BRGEMM_MIN_M", r.amx ? 32 : 0);
+#endif
+    return r;
+  }();
+  return c;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define FLASHRL_UNROLL_PACKED _Pragma("GCC unroll 16")
+#define FLASHRL_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+template <typename Out>
+inline void store16(Out* dst, __m512 v) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm512_storeu_ps(dst, v);
+  } else if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), at::vec::cvtfp32_bf16(v));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+struct Epilogue {
+  const float* xs;  // [M] token scales
+  const float* scale;  // [N] row scales
+  const int32_t* comp;  // [N] row code sums
+  const float* bias;  // [N] fp32 or null
+  int64_t ldy;
+};
+
+// y[m, n0 + j] for 16 rows j from one int32 vector of sums: (sum - 128 comp) * scale * xs + bias, in the order
+// (and with the roundings: one explicit FMA) of the plain kernel's store_tile
+struct Columns {
+  __m512 scale, bias;
+  __m512i comp128;
+  inline Columns(const Epilogue& e, int64_t n) {
+    scale = _mm512_loadu_ps(e.scale + n);
+    comp128 = _mm512_slli_epi32(_mm512_loadu_si512(e.comp + n), 7);
+    bias = e.bias ? _mm512_loadu_ps(e.bias + n) : _mm512_setzero_ps();
+  }
+  inline __m512 apply(__m512i sums, __m512 xs) const {
+    const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, comp128));
+    return _mm512_fmadd_ps(_mm512_mul_ps(d, scale), xs, bias);  // as qlinear.cpp's store_tile
+  }
+};
+
+// acc += u8 a . s8 b in place. The intrinsic makes GCC 12 copy the accumulators around the loop (a vmovdqa per
+// vpdpbusd, and spills, in this tile); the asm keeps each in its register.
+FLASHRL_VNNI_TARGET inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+FLASHRL_VNNI_TARGET inline void dpbusd_mem(__m512i& acc, __m512i a, const int8_t* b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const __m512i*>(b)));
+}
+
+// 5-7 tokens x all 64 rows of a block in one pass over the weight (decode): MT x 4 accumulators and the broadcast
+// fill the 32 vector registers, so the weights are the dot products' memory operands (L1 hits after the first)
+template <int MT, typename Out>
+FLASHRL_VNNI_TARGET inline void packed_tile_wide(const uint8_t* a, int64_t lda, const int8_t* w, int64_t groups,
+                                                 const Epilogue& e, int64_t m0, int64_t n0, Out* y) {
+  static_assert(MT <= 7, "MT x 4 accumulators + 1 broadcast must fit 32 registers");
+  __m512i acc[MT][4];
+  FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wg = w + g * kPackGroup;
+    FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m) {
+      int32_t a4;
+      std::memcpy(&a4, a + m * lda + 4 * g, 4);
+      const __m512i av = _mm512_set1_epi32(a4);
+      FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) dpbusd_mem(acc[m][c], av, wg + 64 * c);
+    }
+  }
+  FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) {
+    const Columns col(e, n0 + 16 * c);
+    FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
+      store16(y + (m0 + m) * e.ldy + n0 + 16 * c, col.apply(acc[m][c], _mm512_set1_ps(e.xs[m0 + m])));
+  }
+}
+
+// MT tokens x the 64 rows of one block, over all K: w points at the block, a at the first token's codes.
+// (Software prefetches, of this block or the next, measured no gain: a thread's blocks are one contiguous stream,
+// which the hardware prefetchers follow.)
+template <int MT, typename Out>
+FLASHRL_VNNI_TARGET inline void packed_tile(const uint8_t* a, int64_t lda, const int8_t* w, int64_t groups,
+                                            const Epilogue& e, int64_t m0, int64_t n0, Out* y) {
+  __m512i acc[MT][4];
+  FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wg = w + g * kPackGroup;
+    __m512i wv[4];
+    FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_si512(wg + 64 * c);
+    FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m) {
+      int32_t a4;
+      std::memcpy(&a4, a + m * lda + 4 * g, 4);
+      const __m512i av = _mm512_set1_epi32(a4);
+      FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) dpbusd(acc[m][c], av, wv[c]);
+    }
+  }
+  FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) {
+    const Columns col(e, n0 + 16 * c);
+    FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
+      store16(y + (m0 + m) * e.ldy + n0 + 16 * c, col.apply(acc[m][c], _mm512_set1_ps(e.xs[m0 + m])));
+  }
+}
+
+// tokens [mc, mend) x row blocks [b0, b1)
+template <typename Out>
+FLASHRL_VNNI_TARGET void packed_blocks(const uint8_t* a, int64_t K, const int8_t* w, int64_t b0, int64_t b1,
+                                       int64_t mc, int64_t mend, const Epilogue& e, Out* y) {
+  const int64_t groups = K / 4, block_bytes = groups * kPackGroup;
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I3 = std::integral_constant<int, 3>;
+  using I4 = std::integral_constant<int, 4>;
+  auto tile = [&](auto mt, const uint8_t* am, const int8_t* wb, int64_t m0, int64_t n0)
+      __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512vnni"))) {
+    packed_tile<decltype(mt)::value>(am, K, wb, groups, e, m0, n0, y);
+  };
+  const int64_t mlen = mend - mc;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* wb = w + b * block_bytes;
+    const int64_t n0 = b * kPackRows;
+    if (mlen > 4 && mlen <= 8) {  // decode: one pass over the weight for (up to) 7 of the tokens
+      const uint8_t* am = a + mc * K;
+      const int64_t first = std::min<int64_t>(7, mlen);
+      switch (first) {
+        case 7: packed_tile_wide<7>(am, K, wb, groups, e, mc, n0, y); break;
+        case 6: packed_tile_wide<6>(am, K, wb, groups, e, mc, n0, y); break;
+        default: packed_tile_wide<5>(am, K, wb, groups, e, mc, n0, y);
+      }
+      if (mlen > first) tile(I1{}, a + (mc + first) * K, wb, mc + first, n0);
+      continue;
+    }
+    for (int64_t m0 = mc; m0 < mend; m0 += 4) {
+      const uint8_t* am = a + m0 * K;
+      switch (std::min<int64_t>(4, mend - m0)) {
+        case 4: tile(I4{}, am, wb, m0, n0); break;
+        case 3: tile(I3{}, am, wb, m0, n0); break;
+        case 2: tile(I2{}, am, wb, m0, n0); break;
+        default: tile(I1{}, am, wb, m0, n0);
+      }
+    }
+  }
+}
+
+template <typename Out>
+void drive_tiles(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_t* w, const Epilogue& e, Out* y) {
+  const int64_t nblocks = N / kPackRows;
+  for (int64_t mc = 0; mc < M; mc += kTokenChunk) {
+    const int64_t mend = std::min(M, mc + kTokenChunk);
+    // each thread gets a contiguous run of blocks: one linear stream of weight bytes
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      packed_blocks<Out>(a, K, w, b0, b1, mc, mend, e, y);
+    });
+  }
+}
+
+#if defined(CPUBLAS_BRGEMM_U8I8I32)
+// rows [m0, m0 + mm) x the 64 rows of block nb from brgemm's int32 sums c [mm, 64]
+template <typename Out>
+void store_sums(const int32_t* c, int64_t mm, int64_t m0, int64_t n0, const Epilogue& e, Out* y) {
+  for (int cc = 0; cc < 4; ++cc) {
+    const Columns col(e, n0 + 16 * cc);
+    for (int64_t m = 0; m < mm; ++m)
+      store16(y + (m0 + m) * e.ldy + n0 + 16 * cc,
+              col.apply(_mm512_loadu_si512(c + m * kPackRows + 16 * cc), _mm512_set1_ps(e.xs[m0 + m])));
+  }
+}
+
+template <typename Out>
+void drive_brgemm(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_t* w, const Epilogue& e, Out* y) {
+  const int64_t nblocks = N / kPackRows, mblocks = (M + kBrgemmRows - 1) / kBrgemmRows;
+  const int64_t block_bytes = K / 4 * kPackGroup;
+  // token block outer, row blocks inner: a thread's A block (32 x K codes) is reused across its row blocks
+  at::parallel_for(0, mblocks * nblocks, 1, [&](int64_t t0, int64_t t1) {
+    alignas(64) int32_t c[kBrgemmRows * kPackRows];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t mb = t / nblocks, nb = t % nblocks;
+      const int64_t m0 = mb * kBrgemmRows, mm = std::min(kBrgemmRows, M - m0);
+      at::native::cpublas::brgemm(mm, kPackRows, K, K, kPackRows, kPackRows, false,
+                                  reinterpret_cast<const unsigned char*>(a + m0 * K),
+                                  reinterpret_cast<const signed char*>(w + nb * block_bytes), c, true);
+      store_sums(c, mm, m0, nb * kPackRows, e, y);
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+#endif
+#endif  // CPU_CAPABILITY_AVX512
+
+at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& comp,
+                          const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "qlinear_packed";
+  TORCH_CHECK(config().vnni, op, ": needs an AVX-512 VNNI CPU and an AVX-512 build (qlinear_packed_caps()[0])");
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), op, ": x [M, K] and q [N, K], got ", x.sizes(),
+              " and ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.size(0) % kPackRows == 0 && q.size(1) % 4 == 0,
+              op, ": q must be a contiguous int8 [N, K] in the packed layout (N % 64 == 0, K % 4 == 0), got ",
+              q.sizes());
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu() && comp.device().is_cpu(), op,
+              ": CPU tensors only");
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf, op, ": x must be float32/bfloat16/float16");
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, op, ": rows of x must have unit stride");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(), op,
+              ": scale must be contiguous float32 [N]");
+  TORCH_CHECK(comp.dim() == 1 && comp.size(0) == N && comp.scalar_type() == at::kInt && comp.is_contiguous(), op,
+              ": comp must be contiguous int32 [N]");
+  TORCH_CHECK(K <= kMaxK, op, ": K <= 65536 only");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<float> bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must be [N]");
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    bias_f.assign(b.const_data_ptr<float>(), b.const_data_ptr<float>() + N);
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> xs(static_cast<size_t>(M));
+  const Epilogue e{xs.data(), scale.const_data_ptr<float>(), comp.const_data_ptr<int32_t>(),
+                   bias_f.empty() ? nullptr : bias_f.data(), N};
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(xq.data());
+  const int8_t* w = q.const_data_ptr<int8_t>();
+  auto run = [&](auto out_tag) {
+    using Out = decltype(out_tag);
+    quantize_tokens_s8<true>(x.const_data_ptr<Out>(), x.stride(0), M, K, K, xq.data(), xs.data(), nullptr);
+    Out* yp = y.data_ptr<Out>();
+#if defined(CPUBLAS_BRGEMM_U8I8I32)
+    const int64_t min_m = config().brgemm_min_m;
+    if (min_m > 0 && M >= min_m) {
+      drive_brgemm<Out>(M, N, K, a, w, e, yp);
+      return;
+    }
+#endif
+    drive_tiles<Out>(M, N, K, a, w, e, yp);
+  };
+  switch (xt) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: run(c10::Half{});
+  }
+#endif
+  return y;
+}
+
+// [AVX-512 VNNI (the packed kernel runs), AMX-INT8 granted, brgemm from this M (0: never)]
+std::vector<int64_t> qlinear_packed_caps() {
+  const PackedConfig& c = config();
+  return {int64_t{c.vnni}, int64_t{c.amx}, c.brgemm_min_m};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flashrl_native, m) {
+  m.def("qlinear_packed(Tensor x, Tensor q, Tensor scale, Tensor comp, Tensor? bias) -> Tensor");
+  m.def("qlinear_packed_caps() -> int[]", &qlinear_packed_caps);
+}
+
+TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) {
+  m.impl("qlinear_packed", &qlinear_packed);
+}
+
+}  // namespace flashrl_native

@@ -1,0 +1,236 @@
+"""The VNNI-packed W8A8 linear (csrc/cpu/qlinear_packed.cpp) and the quantizer that writes its layout.
+
+flashrl_native::quantize_rows_packed must give exactly quantize_rows' codes and scales (in the packed order, with
+each row's code sum); flashrl_native::qlinear_packed must equal the plain-layout W8A8 kernel bit for bit (same
+integer sums, same epilogue) and the float64 spec within the dtype's tolerance, on both of its drivers (the
+VNNI tiles and oneDNN's brgemm, which runs AMX-INT8 tiles on CPUs that have them and is forced here in a
+subprocess with FLASHRL_NATIVE_BRGEMM_MIN_M=1).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import flashrl_kernels as fk
+from flashrl_kernels import _backend
+from flashrl_kernels.reference.quantize import quantize_rows_spec, scaled_linear_spec
+
+pytestmark = pytest.mark.skipif(not _backend.native_built(), reason="native CPU kernels not built here")
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def _packed():
+    from flashrl_kernels.native import quantize as nq
+
+    if not nq.packed_w8a8_capabilities()["vnni"]:
+        pytest.skip("the packed W8A8 kernel needs AVX-512 VNNI")
+    return nq
+
+
+def _pack(w):
+    """(packed codes, scales, row sums) of w [N, K] through the packed quantizer."""
+    nq = _packed()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.int8)
+    s = torch.empty(n)
+    c = torch.empty(n, dtype=torch.int32)
+    assert nq.quantize_rows_packed_(w, q, s, c, 0) == 0
+    return q, s, c
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(64, 4), (128, 100), (192, 896), (64, 1028)])
+def test_packed_quantizer_equals_quantize_rows(wdtype, n, k):
+    nq = _packed()
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 3).to(wdtype)
+    w[5] = 0.0  # a zero row: codes 0, scale 1
+    w[9, 3] = float("nan")  # a non-finite row: scale NaN, codes 0 (as quantize_rows)
+    q, s, c = _pack(w)
+    ref_q, ref_s = quantize_rows_spec(w, torch.int8)  # the spec (the public op refuses the NaN row)
+    assert torch.equal(nq.unpack_rows(q), ref_q)
+    assert torch.equal(s.nan_to_num(7.0), ref_s.nan_to_num(7.0)) and s[9].isnan()
+    assert torch.equal(c, ref_q.int().sum(1, dtype=torch.int32))
+    assert k == 4 or not torch.equal(q, ref_q)  # really another byte order (the same one for a single k-group)
+    ids = torch.tensor([n - 1, 0, 5, 9, 7, 7])
+    assert torch.equal(nq.unpack_rows(q, ids), ref_q[ids])
+
+
+def test_partial_writes_cross_blocks_and_count_changes():
+    """Row ranges that start and end inside 64-row blocks (a TP shard of q/k/v) write only their rows, and the
+    count is the number of codes whose value changed."""
+    nq = _packed()
+    g = torch.Generator().manual_seed(4)
+    n, k = 256, 72
+    w = torch.randn(n, k, generator=g)
+    q, s, c = _pack(w)
+    plain_q, plain_s = fk.quantize_rows(w, torch.int8)
+    for row0, rows in ((70, 37), (0, 1), (127, 2), (200, 56), (63, 130)):
+        new = w[row0:row0 + rows] + 0.02 * torch.randn(rows, k, generator=g)
+        before = nq.unpack_rows(q)
+        changed = nq.quantize_rows_packed_(new, q, s, c, row0, count=True)
+        nq_, ns = fk.quantize_rows(new, torch.int8)
+        plain_q[row0:row0 + rows], plain_s[row0:row0 + rows] = nq_, ns
+        after = nq.unpack_rows(q)
+        assert torch.equal(after, plain_q) and torch.equal(s, plain_s)
+        assert torch.equal(c, plain_q.int().sum(1, dtype=torch.int32))
+        assert changed == int((after != before).sum()) > 0
+
+
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 300])
+@pytest.mark.parametrize("n,k", [(64, 4), (128, 100), (192, 896)])
+def test_packed_linear_equals_plain_kernel_and_spec(xdtype, m, n, k):
+    nq = _packed()
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, generator=g)
+    q, s, c = _pack(w)
+    plain = nq.unpack_rows(q)
+    x = (torch.randn(m, k, generator=g) * 3).to(xdtype)
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        y = torch.ops.flashrl_native.qlinear_packed(x, q, s, c, b)
+        assert y.dtype == xdtype and y.shape == (m, n)
+        assert torch.equal(y, torch.ops.flashrl_native.qlinear(x, plain, s, b, True))
+        ref = scaled_linear_spec(x, plain, s, b, True)
+        assert (y.double() - ref).abs().max().item() <= TOL[xdtype] * ref.abs().max().item()
+
+
+def test_packed_integer_sums_are_exact_at_the_largest_k():
+    """K = 65536 with codes of the largest magnitude: every (u8 + 128) x s8 sum and the row-sum offset stay exact
+    in int32 (integer rows whose amax is 127 quantize to themselves with scale 1, as do the tokens)."""
+    _packed()
+    k, n = 65536, 64
+    g = torch.Generator().manual_seed(11)
+    w = torch.where(torch.rand(n, k, generator=g) < 0.5, -127.0, 127.0)
+    w[::2] = 127.0  # rows of one sign: the largest sums
+    q, s, c = _pack(w)
+    assert torch.equal(s, torch.ones(n))
+    x = torch.where(torch.rand(3, k, generator=g) < 0.5, -127.0, 127.0)
+    x[0] = 127.0
+    y = torch.ops.flashrl_native.qlinear_packed(x, q, s, c, None)
+    exact = x.double() @ w.double().T
+    assert exact.abs().max() == k * 127 * 127  # the largest product sum (the u8 offset sum is twice it)
+    assert torch.equal(y.double(), exact.float().double())
+
+
+def test_nonfinite_and_zero_tokens():
+    _packed()
+    q, s, c = _pack(torch.randn(64, 40))
+    x = torch.randn(4, 40)
+    x[1] = 0.0
+    x[2, 7] = float("nan")
+    x[3, 3] = float("inf")
+    bias = torch.randn(64)
+    y = torch.ops.flashrl_native.qlinear_packed(x, q, s, c, bias)
+    assert torch.isfinite(y[0]).all() and torch.equal(y[1], bias)
+    assert torch.isnan(y[2]).all() and torch.isnan(y[3]).all()
+
+
+def test_results_do_not_depend_on_threads():
+    _packed()
+    g = torch.Generator().manual_seed(2)
+    q, s, c = _pack(torch.randn(320, 256, generator=g))
+    x = torch.randn(67, 256, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(torch.ops.flashrl_native.qlinear_packed(x, q, s, c, None))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_brgemm_driver_equals_the_tiles(tmp_path):
+    """oneDNN's brgemm on the same bytes (AMX-INT8 tiles where the CPU has them, VNNI here) gives the same
+    outputs as the tiles: forced for every M in a fresh process, compared here, where the tiles run."""
+    _packed()
+    code = textwrap.dedent("""
+        import sys, torch
+        from flashrl_kernels import _native
+        _native.native_status(load=True)
+        from flashrl_kernels.native.quantize import packed_w8a8_capabilities, quantize_rows_packed_
+        assert packed_w8a8_capabilities()["brgemm_min_m"] == 1
+        g = torch.Generator().manual_seed(5)
+        n, k = 192, 260
+        q = torch.empty(n, k, dtype=torch.int8); s = torch.empty(n); c = torch.empty(n, dtype=torch.int32)
+        quantize_rows_packed_(torch.randn(n, k, generator=g), q, s, c, 0)
+        cases = []
+        for m in (1, 5, 31, 32, 33, 100):
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                x, b = (torch.randn(m, k, generator=g) * 2).to(dt), torch.randn(n, generator=g)
+                cases.append((x, b, torch.ops.flashrl_native.qlinear_packed(x, q, s, c, b)))
+        torch.save({"q": q, "s": s, "c": c, "cases": cases}, sys.argv[1])
+    """)
+    out = tmp_path / "brgemm.pt"
+    env = {**os.environ, "FLASHRL_NATIVE_BRGEMM_MIN_M": "1"}
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, timeout=600)
+    saved = torch.load(out)
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities
+
+    assert packed_w8a8_capabilities()["brgemm_min_m"] != 1  # this process runs the tiles
+    q, s, c = saved["q"], saved["s"], saved["c"]
+    for x, b, y_brgemm in saved["cases"]:
+        assert torch.equal(torch.ops.flashrl_native.qlinear_packed(x, q, s, c, b), y_brgemm), (x.shape, x.dtype)
+
+
+def test_in_place_write_is_seen_by_the_next_call():
+    nq = _packed()
+    g = torch.Generator().manual_seed(8)
+    q, s, c = _pack(torch.randn(128, 96, generator=g))
+    ptrs = (q.data_ptr(), s.data_ptr(), c.data_ptr())
+    x = torch.randn(3, 96, generator=g).bfloat16()
+    w2 = torch.randn(128, 96, generator=g) * 4
+    nq.quantize_rows_packed_(w2, q, s, c, 0)
+    assert (q.data_ptr(), s.data_ptr(), c.data_ptr()) == ptrs
+    ref_q, ref_s = fk.quantize_rows(w2, torch.int8)
+    assert torch.equal(torch.ops.flashrl_native.qlinear_packed(x, q, s, c, None),
+                       torch.ops.flashrl_native.qlinear(x, ref_q, ref_s, None, True))
+
+
+def test_packed_op_traces_under_torch_compile():
+    _packed()
+    q, s, c = _pack(torch.randn(64, 32))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(x):
+        return torch.ops.flashrl_native.qlinear_packed(x, q, s, c, None) * 2
+
+    x = torch.randn(5, 32)
+    assert torch.equal(f(x), torch.ops.flashrl_native.qlinear_packed(x, q, s, c, None) * 2)
+
+
+def test_bad_arguments():
+    nq = _packed()
+    q, s, c = _pack(torch.randn(64, 32))
+    x = torch.randn(2, 32)
+    op = torch.ops.flashrl_native.qlinear_packed
+    with pytest.raises(RuntimeError, match="packed layout"):
+        op(x[:, :30], torch.zeros(64, 30, dtype=torch.int8), s, c, None)  # K % 4
+    with pytest.raises(RuntimeError, match="packed layout"):
+        op(x, torch.zeros(48, 32, dtype=torch.int8), s[:48], c[:48], None)  # N % 64
+    with pytest.raises(RuntimeError, match="comp must be"):
+        op(x, q, s, c.float(), None)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        op(x, q, s[:10], c, None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        op(torch.randn(2, 31), q, s, c, None)
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        nq.quantize_rows_packed_(torch.randn(10, 32), q, s, c, 60)
+    with pytest.raises(RuntimeError, match="comp_out must be"):
+        nq.quantize_rows_packed_(torch.randn(10, 32), q, s, c[:10], 0)
+    with pytest.raises(RuntimeError, match="outside \\[0, 64\\)"):
+        nq.unpack_rows(q, torch.tensor([64]))
+
+
+def test_layout_fits_only_whole_blocks():
+    nq = _packed()
+    assert nq.packed_w8a8_fits((896, 896)) and nq.packed_w8a8_fits((151936, 896))
+    assert not nq.packed_w8a8_fits((100, 896)) and not nq.packed_w8a8_fits((128, 30))
+    assert not nq.packed_w8a8_fits((64, 65540))

@@ -414,12 +414,38 @@ def test_options_are_validated(ckpts):
     with pytest.raises(ValueError, match="activation_quant must be one of"):
         FlashRLFp8Config.from_config({"activation_quant": "static"})
     assert FlashRLInt8Config.from_config({}).weight_layout == "auto"
+    # a checkpoint's own quantization_config names the method (frameworks without a quantization option)
+    assert FlashRLInt8Config.from_config({"quant_method": "flashrl_int8", "quantize_lm_head": True}).quantize_lm_head
+    with pytest.raises(ValueError, match="quant_method 'flashrl_fp8'"):
+        FlashRLInt8Config.from_config({"quant_method": "flashrl_fp8"})
     with pytest.raises(ValueError, match="weight_layout must be one of"):
         FlashRLInt8Config.from_config({"weight_layout": "packed"})
     # what a user sees: vLLM refuses the engine with that message (at config time, before loading anything)
     with pytest.raises(ValueError, match=r"unknown flashrl_fp8 option\(s\) \['lm_head'\]"):
         vllm.LLM(str(ckpts["base"]), quantization="flashrl_fp8", **engine_kwargs(),
                  hf_overrides={"quantization_config_dict_json": json.dumps({"lm_head": True})})
+
+
+def test_checkpoint_config_selects_the_method(ckpts, tmp_path):
+    """A checkpoint whose config.json carries "quantization_config": {"quant_method": "flashrl_int8"} gets the
+    flashrl engine without a quantization argument (how AReaL, which has no such option, selects it)."""
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(ckpts["base"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "flashrl_int8"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = vllm.LLM(str(path), **engine_kwargs())
+    try:
+        kinds = llm.apply_model(lambda m: {type(mod.quant_method).__name__ for n, mod in m.named_modules()
+                                           if n.endswith("proj")})[0]
+        assert kinds == {"FlashRLLinearMethod"}
+        ids, _ = generate(llm)
+        assert all(len(x) == GREEDY["max_tokens"] for x in ids)
+    finally:
+        del llm
+        gc.collect()
 
 
 # ---- quantized LM head (quantize_lm_head) ----

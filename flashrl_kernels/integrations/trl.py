@@ -64,20 +64,14 @@ def _warn_once(reason: str) -> None:
 
 def _check_version():
     import trl
-    from packaging.version import Version
+
+    from ._versions import release_of, require_supported
 
     version = getattr(trl, "__version__", "unknown")
-    try:
-        release = Version(version).release[:2]
-    except Exception:
-        release = None
-    if release != SUPPORTED_TRL:
-        raise RuntimeError(
-            f"flashrl_kernels' TRL integration supports trl{SUPPORTED_RANGE}; found trl {version}. It replaces "
-            "private TRL functions whose signatures change between releases, so it refuses to patch other versions. "
-            f"Install a supported TRL (pip install 'trl{SUPPORTED_RANGE}') or do not patch."
-        )
-    return version
+    release = release_of(version)
+    return require_supported("TRL", "trl", version, release is not None and release[:2] == SUPPORTED_TRL,
+                             SUPPORTED_RANGE, "It replaces private TRL functions whose signatures change between "
+                             "releases")
 
 
 def patch() -> None:

@@ -51,25 +51,14 @@ _patching = False
 
 
 def _check_version() -> str:
-    try:
-        import verl
-    except ImportError as e:
-        raise RuntimeError(f"flashrl_kernels' verl integration needs verl (pip install 'verl{SUPPORTED_RANGE}'); "
-                           f"importing it failed: {e}") from e
-    from packaging.version import Version
+    from ._versions import import_or_explain, release_of, require_supported
 
+    verl = import_or_explain("verl", "verl", SUPPORTED_RANGE)
     version = getattr(verl, "__version__", "unknown")
-    try:
-        release = Version(version).release[:2]
-    except Exception:
-        release = None
-    if release != SUPPORTED_VERL:
-        raise RuntimeError(
-            f"flashrl_kernels' verl integration supports verl{SUPPORTED_RANGE}; found verl {version}. It registers "
-            "losses with verl's calling convention and replaces functions whose signatures change between "
-            f"releases, so it refuses other versions. Install a supported verl (pip install 'verl{SUPPORTED_RANGE}') "
-            "or do not patch.")
-    return version
+    release = release_of(version)
+    return require_supported("verl", "verl", version, release is not None and release[:2] == SUPPORTED_VERL,
+                             SUPPORTED_RANGE, "It registers losses with verl's calling convention and replaces "
+                             "functions whose signatures change between releases")
 
 
 # ---------------------------------------------------------------------------------------------- losses

@@ -519,6 +519,12 @@ class FlashRLQuantConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> FlashRLQuantConfig:
         if not isinstance(config, dict):
             raise TypeError(f"{cls.method_name} options must be a JSON object, got {config!r}")
+        # a checkpoint's config.json may select the method itself ("quantization_config": {"quant_method":
+        # "flashrl_int8", ...}): the way frameworks without a quantization option (AReaL) pick it
+        method = config.get("quant_method", cls.method_name)
+        if method != cls.method_name:
+            raise ValueError(f"{cls.method_name}: the options name quant_method {method!r}")
+        config = {k: v for k, v in config.items() if k != "quant_method"}
         unknown = sorted(set(config) - set(OPTIONS))
         if unknown:
             valid = ", ".join(f"{k}: {v}" for k, v in OPTIONS.items())

@@ -5,7 +5,7 @@ used, so `import flashrl_kernels` never imports vLLM, TRL or verl (unless
 FLASHRL_PATCH asks for a patch at import, see `patch_from_env`).
 
 `patch(name)` / `unpatch(name)` dispatch to the adapters that patch a
-framework in place ("trl", "verl", "areal"). vLLM needs no patch: it finds the
+framework in place ("trl", "verl", "openrlhf", "areal"). vLLM needs no patch: it finds the
 quantization configs through its plugin entry point.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import warnings
 _PATCHABLE = {
     "trl": "flashrl_kernels.integrations.trl",
     "verl": "flashrl_kernels.integrations.verl",
+    "openrlhf": "flashrl_kernels.integrations.openrlhf",
     "areal": "flashrl_kernels.integrations.areal",
 }
 
@@ -28,7 +29,7 @@ def _adapter(name: str):
 
 
 def patch(framework: str) -> None:
-    """Patch `framework` ("trl", "verl" or "areal") to run on flashrl_kernels; idempotent, undone by `unpatch`."""
+    """Patch `framework` ("trl", "verl", "openrlhf" or "areal") to run on flashrl_kernels; idempotent, undone by `unpatch`."""
     _adapter(framework).patch()
 
 

@@ -200,10 +200,12 @@ def _link_flags() -> list[str]:
 
     lib_dirs = cpp_extension.library_paths()
     # -z now: every symbol is resolved when the library loads, so one this torch does not export
-    # fails the load (and the CPU ops fall back to torch) instead of aborting on first call
+    # fails the load (and the CPU ops fall back to torch) instead of aborting on first call.
+    # No rpath: the library is only ever loaded by torch.ops.load_library, after `import torch` has loaded
+    # libc10 / libtorch_cpu, which the loader then finds by their sonames; so one build serves every virtual
+    # environment with this torch (the build key leaves paths out)
     now = ["-Wl,-z,now"] if sys.platform.startswith("linux") else []
-    return ["-shared", *_openmp_flags(), *now, *(f"-L{p}" for p in lib_dirs), *(f"-Wl,-rpath,{p}" for p in lib_dirs),
-            "-lc10", "-ltorch_cpu"]
+    return ["-shared", *_openmp_flags(), *now, *(f"-L{p}" for p in lib_dirs), "-lc10", "-ltorch_cpu"]
 
 
 def _compiler_id(cxx: str) -> str:
@@ -218,7 +220,9 @@ def _build_key(cxx: str, srcs: list[Path]) -> str:
     h.update(torch.__version__.encode())
     h.update(str(getattr(torch.version, "git_version", "")).encode())
     h.update(_compiler_id(cxx).encode())
-    h.update(" ".join(_compile_flags() + _link_flags()).encode())
+    # the flags without the install paths of this environment's torch (its version and build identify the headers
+    # and libraries): virtual environments with the same torch share one build
+    h.update(" ".join(f for f in _compile_flags() + _link_flags() if not f.startswith(("-I", "-L"))).encode())
     for s in [*srcs, *headers(srcs)]:
         h.update(s.name.encode())
         h.update(s.read_bytes())

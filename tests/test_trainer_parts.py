@@ -99,5 +99,54 @@ def test_rollout_tokens_per_s_sums_over_the_run():
                "figure": "f"}
     lines = format_summary(summary).splitlines()
     assert any(line.startswith("rollout tokens/s") and line.endswith("40.0") for line in lines)
-    assert len(lines) == 11
+    assert len(lines) == 12 and any(line.startswith("rollout mode") for line in lines)
     assert "rollout tokens/s" in format_summary({k: v for k, v in summary.items() if k != "rollout_tokens_per_s"})
+    asynchronous = {**summary, "rollout_mode": "asynchronous, max staleness 2", "staleness_mean": 1.2,
+                    "staleness_max": 2, "multi_version_share": 0.25, "trainer_wait_s": 0.01, "engine_idle_s": 0.2,
+                    "dropped_stale": 3, "task": "chain"}
+    text = format_summary(asynchronous)
+    assert "1.20 / 2 ; 25.0%" in text and "0.010 / 0.200 ; 3" in text and "step accuracy" in text
+
+
+def test_chain_task_splits_answers_and_lengths():
+    from flashrl_kernels.trainer.task import ChainSumTask
+
+    task = ChainSumTask(n_eval=32, n_train=500, seed=1)
+    train, held = task.splits()
+    assert len(train) == 500 and len(held) == 32 and not {p.prompt for p in train} & {p.prompt for p in held}
+    assert task.splits() == ChainSumTask(n_eval=32, n_train=500, seed=1).splits()
+    for p in held + train[:50]:
+        terms = [int(t) for t in p.prompt[:-1].split("+")]
+        assert 7 <= len(terms) <= 14 and all(0 <= t < 10 for t in terms)
+        steps = p.answer.split(",")
+        assert len(steps) == len(terms) - 1 and int(steps[-1].split("=")[1]) == sum(terms)
+        assert 36 <= len(p.answer) <= task.max_answer_chars  # the rollout-heavy lengths
+    assert ChainSumTask.chain([3, 5, 2]) == "3+5=8,8+2=10"
+    with pytest.raises(ValueError, match="single-digit"):
+        ChainSumTask(max_operand=12)
+
+
+def test_chain_steps_reward_and_flaw():
+    from flashrl_kernels.trainer.data import flawed_text
+    from flashrl_kernels.trainer.task import chain_step_reward
+
+    ans = "3+5=8,8+2=10,10+7=17"
+    assert chain_step_reward(ans, ans) == 1.0 and chain_step_reward(" " + ans + " ", ans) == 1.0
+    assert chain_step_reward("3+5=8,8+2=11,10+7=17", ans) == pytest.approx(2 / 3)
+    assert chain_step_reward("3+5=8", ans) == pytest.approx(1 / 3)  # missing steps count as wrong
+    assert chain_step_reward(ans + ",17+1=18", ans) == pytest.approx(3 / 4)  # so do extra ones
+    assert chain_step_reward("", ans) == 0.0
+    assert flawed_text(ans) == "3+5=08,8+2=10,10+7=17" and chain_step_reward(flawed_text(ans), ans) == pytest.approx(2 / 3)
+    assert flawed_text(7) == "07" and flawed_text(-3) == "-3"
+    with pytest.raises(TypeError):
+        chain_step_reward("1", 1)
+
+
+def test_chain_config_resolves_reward_and_positions():
+    from flashrl_kernels.trainer.warmstart import max_positions_of
+
+    assert TrainConfig(task="chain").reward_name == "steps" and TrainConfig().reward_name == "exact"
+    assert max_positions_of(TrainConfig()) == 64  # the demo's model (and its cached warm start) unchanged
+    assert max_positions_of(TrainConfig(task="chain")) >= 28 + 107 + 2
+    with pytest.raises(ValueError, match="task 'chain' only"):
+        TrainConfig(reward="steps")

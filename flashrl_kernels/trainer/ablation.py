@@ -2,7 +2,8 @@
 
 Runs (same seed, same cached warm start):
   bf16 rollout + TIS, INT8 + TIS, INT8 without TIS, FP8 + TIS, INT8 + TIS + GFPO (shortest 4 of 8),
-  INT8 + TIS with value-based PPO (VC-PPO: value pretraining, decoupled GAE) and with VAPO.
+  INT8 + TIS with value-based PPO (VC-PPO: value pretraining, decoupled GAE) and with VAPO, and
+  INT8 + TIS asynchronous at max staleness 1 and 2 (decoupled PPO; the engine in its own process).
 Reported per run: held-out accuracy, mean response length over the last
 steps, median rollout/trainer mismatch KL, and for GFPO the excess length
 reduction ELR = (L_grpo - L_gfpo) / (L_grpo - L_start), with L_start the
@@ -27,6 +28,8 @@ RUNS = (
     ("int8 rollout, TIS, GFPO", {"rollout_quant": "int8", "advantage": "gfpo_length", "gfpo_keep": 4}),
     ("int8 rollout, TIS, PPO", {"rollout_quant": "int8", "algo": "ppo"}),
     ("int8 rollout, TIS, VAPO", {"rollout_quant": "int8", "algo": "vapo"}),
+    ("int8 rollout, TIS, async (staleness 1)", {"rollout_quant": "int8", "max_staleness": 1}),
+    ("int8 rollout, TIS, async (staleness 2)", {"rollout_quant": "int8", "max_staleness": 2}),
 )
 GRPO_REFERENCE = "int8 rollout, TIS"
 
@@ -42,8 +45,9 @@ def _lengths(out_dir: str, tail: int) -> tuple[float, float]:
 def run_ablation(base: TrainConfig, say=print) -> list[dict]:
     rows = []
     for i, (name, overrides) in enumerate(RUNS):
-        if base.rollout_engine == "hf" and overrides.get("rollout_quant", "bf16") != "bf16":
-            say(f"[{i + 1}/{len(RUNS)}] {name}: skipped (quantized rollout needs vLLM)")
+        if base.rollout_engine == "hf" and (overrides.get("rollout_quant", "bf16") != "bf16"
+                                            or overrides.get("max_staleness")):
+            say(f"[{i + 1}/{len(RUNS)}] {name}: skipped (quantized and asynchronous rollout need vLLM)")
             continue
         if base.algo != "grpo" or base.advantage != "grpo":
             overrides = {"algo": "grpo", "advantage": "grpo", **overrides}  # each row names its own algorithm

@@ -17,8 +17,12 @@ ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gfpo_length", "gfpo_token_efficiency",
 LEVELS = ("token", "sequence", "sequence_token")
 TIS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-REWARD_NAMES = ("exact", "calculation")
+REWARD_NAMES = ("auto", "exact", "calculation", "steps")  # auto: exact (arith), steps (chain)
 ALGOS = ("grpo", "ppo", "vapo")
+TASKS = ("arith", "chain")
+ROLLOUT_MODES = ("auto", "sync", "async")
+INTERRUPTS = ("abort", "keep")
+PROXIMALS = ("recompute", "behaviour")
 # What --algo sets when an option is left at None ("the algorithm's default"):
 #   ppo  = VC-PPO: value pretraining, decoupled GAE (policy lambda 0.95, critic lambda 1.0)
 #   vapo = VC-PPO + length-adaptive lambda (alpha 0.05) + the positive-example NLL term (mu 0.1);
@@ -30,6 +34,21 @@ ALGO_DEFAULTS = {
 }
 
 
+def parse_cpus(text: str) -> list[int]:
+    """CPU numbers from "1", "2,3", "4-7" or "0,2-3"; ValueError naming engine_cpus otherwise."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            a, dash, b = part.strip().partition("-")
+            lo, hi = int(a), int(b) if dash else int(a)
+            if lo < 0 or hi < lo:
+                raise ValueError
+            out += range(lo, hi + 1)
+    except ValueError:
+        raise ValueError(f"option engine_cpus must be a CPU list such as '1', '2,3' or '4-7', got {text!r}") from None
+    return sorted(set(out))
+
+
 @dataclasses.dataclass
 class TrainConfig:
     # run
@@ -37,11 +56,13 @@ class TrainConfig:
     steps: int = 60
     out_dir: str = "runs/demo"
     eval_every: int = 10
-    # task
+    # task: "arith" (a+b, 2-4 answer tokens: the demo) or "chain" (running totals of 7-14 terms: 36-120 tokens,
+    # rollout-heavy)
+    task: str = "arith"
     max_operand: int = 10
     ops: str = "+-"
     n_eval: int = 64
-    reward: str = "exact"
+    reward: str = "auto"
     # model and warm start
     hidden_size: int = 128
     num_layers: int = 3
@@ -58,6 +79,14 @@ class TrainConfig:
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 0  # 0: derived from the task
+    # asynchronous RL (AReaL): the engine generates while the trainer trains, samples at most max_staleness
+    # policy versions old; rollout_mode "auto" = async when max_staleness > 0 ("async" forces the asynchronous
+    # engine at 0 too: the synchronous schedule on it)
+    max_staleness: int = 0
+    rollout_mode: str = "auto"
+    interrupt: str = "abort"  # at a weight update: abort and resubmit in-flight requests, or keep their KV
+    engine_cpus: str = "auto"  # async: CPUs of the engine process ("1", "2,3", "4-7"); auto: half of them
+    proximal: str = "recompute"  # decoupled PPO (ratio vs the trainer's recompute); behaviour: naive PPO
     # algorithm: grpo (group advantages; GSPO via level) or value-based ppo / vapo (a critic and GAE)
     algo: str = "grpo"
     # advantages and filtering
@@ -107,6 +136,18 @@ class TrainConfig:
     def value_based(self) -> bool:
         return self.algo in ("ppo", "vapo")
 
+    @property
+    def reward_name(self) -> str:
+        """The reward in use ("auto" resolved by task)."""
+        from .task import DEFAULT_REWARD
+
+        return DEFAULT_REWARD[self.task] if self.reward == "auto" else self.reward
+
+    @property
+    def is_async(self) -> bool:
+        """Whether rollouts come from the asynchronous engine (the engine process generates continuously)."""
+        return self.rollout_mode == "async" or (self.rollout_mode == "auto" and self.max_staleness > 0)
+
     def validate(self) -> None:
         def choice(name, allowed):
             value = getattr(self, name)
@@ -127,11 +168,15 @@ class TrainConfig:
         choice("loss_agg", AGG_MODES)
         choice("algo", ALGOS)
         choice("reward", REWARD_NAMES)
+        choice("task", TASKS)
+        choice("rollout_mode", ROLLOUT_MODES)
+        choice("interrupt", INTERRUPTS)
+        choice("proximal", PROXIMALS)
         for name in ("steps", "prompts_per_step", "group_size", "num_iterations", "minibatches", "eval_every",
                      "temperature", "lr", "warmstart_lr", "warmstart_batch", "hidden_size", "num_layers"):
             positive(name)
         for name in ("warmstart_steps", "max_new_tokens", "overlong_cache", "beta", "entropy_coef", "grad_clip",
-                     "weight_decay", "eps_low", "eps_high", "tis_min", "value_pretrain_steps"):
+                     "weight_decay", "eps_low", "eps_high", "tis_min", "value_pretrain_steps", "max_staleness"):
             positive(name, zero_ok=True)
         positive("value_lr")
         for name in ("lam_alpha", "nll_coef"):
@@ -176,6 +221,35 @@ class TrainConfig:
             )
         if self.rollout_engine == "hf" and self.kv_cache_dtype != "auto":
             raise ValueError(f"option kv_cache_dtype={self.kv_cache_dtype!r} needs the vLLM engine")
+        if self.rollout_mode == "sync" and self.max_staleness > 0:
+            raise ValueError(f"option max_staleness={self.max_staleness} needs the asynchronous engine "
+                             "(rollout_mode 'auto' or 'async', not 'sync')")
+        if self.is_async and self.rollout_engine == "hf":
+            raise ValueError("asynchronous rollout (max_staleness > 0 or rollout_mode 'async') needs the vLLM "
+                             "engine (rollout_engine 'vllm' or 'auto'), not 'hf'")
+        if self.task == "chain" and self.reward == "calculation":
+            raise ValueError("option reward='calculation' scores one integer answer: task 'arith' only")
+        if self.task == "arith" and self.reward == "steps":
+            raise ValueError("option reward='steps' scores chains of running totals: task 'chain' only")
+        if self.task == "chain" and not 2 <= self.max_operand <= 10:
+            raise ValueError(f"option max_operand must be in [2, 10] for task 'chain', got {self.max_operand}")
+        if self.engine_cpus != "auto":
+            parse_cpus(self.engine_cpus)  # raises naming the option
+
+    def split_cpus(self) -> tuple[list[int], list[int]]:
+        """(engine CPUs, trainer CPUs) of the asynchronous mode: engine_cpus, or the upper half of this process's
+        CPUs ("auto"); the trainer keeps the rest (all of them if engine_cpus names every CPU)."""
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        if self.engine_cpus == "auto":
+            engine = cpus[len(cpus) // 2:] if len(cpus) > 1 else cpus
+        else:
+            engine = parse_cpus(self.engine_cpus)
+            missing = sorted(set(engine) - set(cpus))
+            if missing:
+                raise ValueError(f"option engine_cpus={self.engine_cpus!r} names CPUs {missing} this process may not "
+                                 f"use (allowed: {cpus})")
+        trainer = [c for c in cpus if c not in engine] or cpus
+        return engine, trainer
 
     @property
     def cache_root(self) -> str:

@@ -1,6 +1,8 @@
 """Batching and evaluation helpers shared by the warm start and the RL loop."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .task import Problem, exact_match_reward
@@ -20,6 +22,14 @@ def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def flawed_text(answer: int | str) -> str:
+    """The answer with the warm start's habit the verifier rejects: a redundant leading zero on the number
+    (arith: "07"), or on the first single-digit running total of a chain ("3+4=07,...")."""
+    if isinstance(answer, int):
+        return "0" + str(answer) if answer >= 0 else str(answer)
+    return re.sub(r"=(\d)(?=,|$)", r"=0\1", answer, count=1)
+
+
 def sft_batch(tokenizer, problems: list[Problem], flawed: list[bool] | None = None):
     """(input_ids, attention_mask, labels) with labels only on the answer and EOS.
 
@@ -29,9 +39,7 @@ def sft_batch(tokenizer, problems: list[Problem], flawed: list[bool] | None = No
     seqs, n_prompt = [], []
     for i, p in enumerate(problems):
         prompt = tokenizer(p.prompt).input_ids
-        text = str(p.answer)
-        if flawed is not None and flawed[i] and p.answer >= 0:
-            text = "0" + text
+        text = flawed_text(p.answer) if flawed is not None and flawed[i] else str(p.answer)
         answer = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         seqs.append(prompt + answer)
         n_prompt.append(len(prompt))
@@ -60,6 +68,8 @@ def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, ba
     return out
 
 
-def accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int) -> float:
+def accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int, score=None) -> float:
+    """Mean of score(greedy answer, answer) over the problems (default: exact match)."""
+    score = score or exact_match_reward
     answers = greedy_answers(model, tokenizer, [p.prompt for p in problems], max_new_tokens)
-    return sum(exact_match_reward(a, p.answer) for a, p in zip(answers, problems)) / len(problems)
+    return sum(score(a, p.answer) for a, p in zip(answers, problems)) / len(problems)

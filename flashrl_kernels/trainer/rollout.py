@@ -42,8 +42,9 @@ class HFRollout:
         self.tokenizer = tokenizer
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int) -> RolloutBatch:
-        tok = self.tokenizer
+    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int,
+                 seeds: list[list[int]] | None = None) -> RolloutBatch:
+        tok = self.tokenizer  # (one torch seed for the whole batch: HF generate takes no per-sample seeds)
         was_training = self.model.training
         self.model.eval()
         torch.manual_seed(seed)
@@ -94,13 +95,21 @@ class VLLMRollout:
         )
         self.tokenizer = self.llm.get_tokenizer()
 
-    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int) -> RolloutBatch:
+    def generate(self, prompts: list[str], n: int, temperature: float, max_new_tokens: int, seed: int,
+                 seeds: list[list[int]] | None = None) -> RolloutBatch:
+        """n samples per prompt; seeds[i][j] seeds sample j of prompt i (one request each, as the asynchronous
+        engine submits them), else one request per prompt with n samples and `seed`."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=n, temperature=temperature, top_k=-1, top_p=1.0, max_tokens=max_new_tokens, logprobs=0, seed=seed,
-        )
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        def params(n_, seed_):
+            return SamplingParams(n=n_, temperature=temperature, top_k=-1, top_p=1.0, max_tokens=max_new_tokens,
+                                  logprobs=0, seed=seed_)
+
+        if seeds is None:
+            outs = self.llm.generate(prompts, params(n, seed), use_tqdm=False)
+        else:
+            outs = self.llm.generate([p for p in prompts for _ in range(n)],
+                                     [params(1, s) for row in seeds for s in row], use_tqdm=False)
         batch = RolloutBatch([], [], [], [], [])
         for out in outs:
             for comp in out.outputs:

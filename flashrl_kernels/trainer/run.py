@@ -27,13 +27,17 @@ def plot(history: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 5, figsize=(20, 7))
-    for ax, (key, title) in zip(axes.flat, CURVES):
+    curves = [(k, t) for k, t in CURVES if any(h.get(k) is not None for h in history)]  # no empty panels
+    n = len(curves) + 2
+    cols = 5 if n > 8 else 4
+    fig, axes = plt.subplots(-(-n // cols), cols, figsize=(4 * cols, 3.5 * -(-n // cols)), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, curves):
         pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if key == "eval_accuracy" else None, markersize=3)
+        ax.plot(*zip(*pts), marker="o" if key == "eval_accuracy" else None, markersize=3)
         ax.set_title(title)
-    ax = axes.flat[len(CURVES)]
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    ax = axes.flat[len(curves)]
     for key in ("clip_frac_low", "clip_frac_high", "clip_frac_dual"):
         pts = [(h["step"], h[key]) for h in history if h.get(key) is not None]
         if pts:
@@ -43,14 +47,22 @@ def plot(history: list[dict], path: str) -> None:
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    ax = axes.flat[-1]
-    steps = [h["step"] for h in history if "time_rollout" in h]
+    ax = axes.flat[n - 1]
+    timed = [h for h in history if "time_rollout" in h]
+    steps = [h["step"] for h in timed]
     bottom = [0.0] * len(steps)
     for key in ("time_rollout", "time_logprob", "time_update", "time_sync"):
-        vals = [h[key] for h in history if "time_rollout" in h]
+        vals = [h.get(key, 0.0) for h in timed]
         ax.bar(steps, vals, bottom=bottom, label=key.removeprefix("time_"))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_title("time per step (s)")
+    title = "time per step (s)"
+    if len(bottom) > 2:
+        # the first step carries one-time set-up (engine warm-up, first compiles): drawn, but kept out of the scale
+        rest = max(bottom[1:])
+        if bottom[0] > 2 * rest:
+            ax.set_ylim(0, 1.15 * rest)
+            title += f"; step {steps[0]}: {bottom[0]:.1f} s (off scale)"
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -69,6 +81,20 @@ def _tail_mean(steps: list[dict], key: str, frac: int = 6):
     return statistics.mean(tail) if tail else None
 
 
+def _mean_of(steps: list[dict], key: str):
+    vals = [h[key] for h in steps if h.get(key) is not None]
+    return statistics.mean(vals) if vals else None
+
+
+def rollout_mode_desc(cfg: TrainConfig, trainer=None) -> str:
+    if not cfg.is_async:
+        return "synchronous (generate, then train)"
+    eng = getattr(trainer, "async_engine", None)
+    cpus = f"; engine on CPUs {eng.engine_cpus}, trainer on {eng.trainer_cpus}" if eng is not None else ""
+    return (f"asynchronous, max staleness {cfg.max_staleness}, interrupt {cfg.interrupt}, "
+            f"{'decoupled PPO' if cfg.proximal == 'recompute' else 'naive PPO (behaviour ratio)'}{cpus}")
+
+
 def rollout_tokens_per_s(steps: list[dict]):
     """Generated completion tokens / rollout wall time, both summed over the steps that logged them."""
     pairs = [(h["rollout_tokens"], h["time_rollout"]) for h in steps
@@ -79,7 +105,6 @@ def rollout_tokens_per_s(steps: list[dict]):
 
 def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, say=print) -> dict:
     """Run the job described by cfg; returns a summary dict (also written to <out_dir>/summary.json)."""
-    from tqdm import tqdm
 
     os.makedirs(cfg.out_dir, exist_ok=True)
     log_path = os.path.join(cfg.out_dir, "metrics.jsonl")
@@ -90,18 +115,30 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
 
     t_start = time.perf_counter()
     trainer = Trainer(cfg)
+    try:
+        return _train(trainer, cfg, resume, progress, say, log_path, t_start)
+    finally:
+        trainer.close()
+
+
+def _train(trainer, cfg: TrainConfig, resume, progress, say, log_path: str, t_start: float) -> dict:
+    from tqdm import tqdm
+
     if resume:
         trainer.load(resume)
         say(f"resumed from {resume} at step {trainer.step}")
+    if cfg.is_async:
+        trainer.start_async()
     engine_desc = (
         f"vLLM, {cfg.rollout_quant} weights" + (f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else "")
-        if trainer.engine.name == "vllm"
+        if cfg.is_async or trainer.engine.name == "vllm"
         else "Hugging Face generate (the trainer's fp32 weights" + (
             "; vLLM is not installed, so no quantized rollout)" if cfg.rollout_engine == "auto" else ")")
     )
     say(f"warm start: {'cache hit' if trainer.warmstart_cached else 'trained'} in {trainer.warmstart_seconds:.1f}s "
         f"({trainer.model_dir})")
     say(f"rollout engine: {engine_desc}")
+    say(f"rollout mode: {rollout_mode_desc(cfg, trainer)}")
     if cfg.value_based:
         alpha = cfg.resolved("lam_alpha")
         lam = f"length-adaptive lambda (alpha {alpha})" if alpha > 0 else f"lambda {cfg.resolved('lam')}"
@@ -156,6 +193,14 @@ def train(cfg: TrainConfig, resume: str | None = None, progress: bool = True, sa
         "sync_codes_changed_median": _median_of(steps, "sync_codes_changed"),
         "sync_max_scale_change_median": _median_of(steps, "sync_max_scale_change"),
         "rollout_tokens_per_s": rollout_tokens_per_s(steps),
+        "task": cfg.task,
+        "rollout_mode": rollout_mode_desc(cfg, trainer),
+        "staleness_mean": _mean_of(steps, "staleness_mean"),
+        "staleness_max": max((h["staleness_max"] for h in steps if "staleness_max" in h), default=None),
+        "multi_version_share": _mean_of(steps, "multi_version_share"),
+        "dropped_stale": sum(h.get("dropped_stale", 0) for h in steps),
+        "trainer_wait_s": _median_of(steps, "trainer_wait"),
+        "engine_idle_s": _median_of(steps, "engine_idle"),
         "algo": cfg.algo,
         "value_loss_pretrain_start": pretrain[0]["value_loss"] if pretrain else None,
         "value_loss_pretrain_end": pretrain[-1]["value_loss"] if pretrain else None,
@@ -176,16 +221,25 @@ def format_summary(s: dict) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
+    what = "held-out step accuracy (running totals right)" if s.get("task") == "chain" else "held-out accuracy"
     rows = [
-        ("held-out accuracy, warm start", f(s["accuracy_start"], ".3f")),
-        ("held-out accuracy, after RL", f(s["accuracy_end"], ".3f")),
+        (f"{what}, warm start", f(s["accuracy_start"], ".3f")),
+        (f"{what}, after RL", f(s["accuracy_end"], ".3f")),
         ("response length (tokens), last step", f(s["response_length_end"], ".2f")),
         ("mismatch KL rollout vs trainer (median)", f(s["mismatch_kl_median"], ".2e")),
         ("TIS truncated/masked fraction (median)", f(s["tis_frac_clipped_median"], ".3f")),
         ("time per step: rollout / logprob / update / sync (s, median)",
          " / ".join(f(s[k], ".3f") for k in ("time_rollout_s", "time_logprob_s", "time_update_s", "time_sync_s"))),
         ("rollout tokens/s (completion tokens / rollout time, whole run)", f(s.get("rollout_tokens_per_s"), ".1f")),
+        ("rollout mode", s.get("rollout_mode", "-")),
     ]
+    if s.get("staleness_mean") is not None:
+        rows += [
+            ("staleness: mean / max (versions); multi-version trajectories",
+             f"{s['staleness_mean']:.2f} / {s['staleness_max']} ; {s['multi_version_share']:.1%}"),
+            ("idle per step: trainer waiting / engine (s, median); groups dropped as stale",
+             f"{f(s['trainer_wait_s'], '.3f')} / {f(s['engine_idle_s'], '.3f')} ; {s['dropped_stale']}"),
+        ]
     if s.get("sync_codes_changed_median") is not None:
         rows.append(("sync: quantized codes changed / max row-scale change (median)",
                      f"{s['sync_codes_changed_median']:.2%} / {s['sync_max_scale_change_median']:.2e}"))

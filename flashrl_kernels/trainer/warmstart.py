@@ -26,23 +26,34 @@ import torch
 
 from .config import TrainConfig
 from .data import sft_batch
-from .task import ArithmeticTask
+from .task import ArithmeticTask, ChainSumTask
 from .tiny_model import TinyModelConfig, build_char_tokenizer, build_tiny_qwen2
 
 _VERSION = 2  # bump when the warm-start recipe changes
 
 
-def task_of(cfg: TrainConfig) -> ArithmeticTask:
+def task_of(cfg: TrainConfig) -> ArithmeticTask | ChainSumTask:
+    if cfg.task == "chain":
+        return ChainSumTask(max_operand=cfg.max_operand, n_eval=cfg.n_eval, seed=cfg.seed)
     return ArithmeticTask(max_operand=cfg.max_operand, ops=cfg.ops, n_eval=cfg.n_eval, seed=cfg.seed)
 
 
+def max_positions_of(cfg: TrainConfig) -> int:
+    """Positions the model (and the vLLM engine's max_model_len) needs: 64 for the demo's task, enough for the
+    longest prompt and answer of the chain task, rounded up to 64."""
+    task = task_of(cfg)
+    need = task.max_prompt_chars + max(cfg.max_new_tokens, task.max_answer_chars + 1) + 2  # BOS, EOS
+    return max(64, -(-need // 64) * 64)
+
+
 def model_config_of(cfg: TrainConfig) -> TinyModelConfig:
-    return TinyModelConfig(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers)
+    return TinyModelConfig(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, max_positions=max_positions_of(cfg))
 
 
 def warmstart_key(cfg: TrainConfig) -> str:
+    task = task_of(cfg)
     fields = {
-        "v": _VERSION, "task": dataclasses.asdict(task_of(cfg)), "model": dataclasses.asdict(model_config_of(cfg)),
+        "v": _VERSION, "task": dataclasses.asdict(task), "model": dataclasses.asdict(model_config_of(cfg)),
         "steps": cfg.warmstart_steps, "lr": cfg.warmstart_lr, "batch": cfg.warmstart_batch, "seed": cfg.seed,
         "flaw": cfg.warmstart_flaw,
     }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["SyncResult", "load_into_model", "register", "sync_weights"]
+__all__ = ["SyncResult", "load_into_model", "register", "sync_weights", "sync_weights_async"]
 
 _registered = False
 
@@ -64,6 +64,13 @@ def sync_weights(llm, named_tensors) -> SyncResult:
     from .sync import sync_weights as _sync
 
     return _sync(llm, named_tensors)
+
+
+async def sync_weights_async(engine, named_tensors) -> SyncResult:
+    """sync_weights for vLLM's AsyncLLM: the same validation and in-place, two-phase write, awaited."""
+    from .sync import sync_weights_async as _sync
+
+    return await _sync(engine, named_tensors)
 
 
 def load_into_model(model, named_tensors, vllm_config=None) -> SyncResult:

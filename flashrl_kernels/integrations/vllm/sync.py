@@ -235,28 +235,67 @@ def _in_process_executor(llm) -> bool:
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
 
 
-def _two_phase_sync(llm, tensors) -> tuple[int, int, int, int, float]:
-    """Stage in shared memory, validate on every rank, and write only if every rank agreed."""
+def _two_phase(owner, tensors):
+    """Stage in shared memory, validate on every rank, and write only if every rank agreed.
+
+    A generator, so that a blocking engine (LLM) and an asyncio one (AsyncLLM) run the same protocol: it
+    yields (method, args) for the engine's collective_rpc, receives each call's per-rank results, and returns
+    (bytes written, tensors, codes changed, codes written, largest row-scale change)."""
     from .worker import stage_tensors
 
     check_finite_tensors(tensors)  # once here: every rank would read the same values
     # the staging file lives with the engine object (reused by its next sync, removed with it)
-    handle, llm._flashrl_staging = stage_tensors(tensors, getattr(llm, "_flashrl_staging", None))
-    try:
-        verdicts = llm.collective_rpc("flashrl_sync_stage", args=(handle,))
-    except NotImplementedError as e:
-        raise RuntimeError(
-            "sync_weights: the engine's workers lack the flashrl sync methods, which the flashrl_quant "
-            "vLLM plugin adds in every worker process: is flashrl_kernels installed in the workers' "
-            "environment, and does VLLM_PLUGINS (if set) include flashrl_quant?") from e
+    handle, owner._flashrl_staging = stage_tensors(tensors, getattr(owner, "_flashrl_staging", None))
+    verdicts = yield "flashrl_sync_stage", (handle,)
     refused = [v for v in verdicts if v]
     if refused:
-        llm.collective_rpc("flashrl_sync_abort")
+        yield "flashrl_sync_abort", ()
         kind, message = refused[0]
         raise _ERRORS.get(kind, ValueError)(message)
-    results = llm.collective_rpc("flashrl_sync_commit")  # per rank: [bytes, tensors, changed, total, max scale]
+    results = yield "flashrl_sync_commit", ()  # per rank: [bytes, tensors, changed, total, max scale]
     return (sum(int(r[0]) for r in results), int(results[0][1]), sum(int(r[2]) for r in results),
             sum(int(r[3]) for r in results), max(float(r[4]) for r in results))
+
+
+_NO_WORKER_METHODS = (
+    "sync_weights: the engine's workers lack the flashrl sync methods, which the flashrl_quant vLLM plugin adds in "
+    "every worker process: is flashrl_kernels installed in the workers' environment, and does VLLM_PLUGINS (if set) "
+    "include flashrl_quant?")
+
+
+def _two_phase_sync(llm, tensors) -> tuple[int, int, int, int, float]:
+    protocol, reply = _two_phase(llm, tensors), None
+    try:
+        while True:
+            method, args = protocol.send(reply)
+            try:
+                reply = llm.collective_rpc(method, args=args)
+            except NotImplementedError as e:
+                raise RuntimeError(_NO_WORKER_METHODS) from e
+    except StopIteration as done:
+        return done.value
+
+
+async def sync_weights_async(engine, named_tensors) -> SyncResult:
+    """sync_weights for vLLM's AsyncLLM (the asyncio engine: its core in its own process, any tensor-parallel
+    size): the same validation on every rank and two-phase commit, awaited on the engine's event loop; the
+    engine keeps serving (or stays paused) meanwhile. Pause it first (`await engine.pause_generation(...)`)
+    for a consistent switch of the weights in-flight requests see."""
+    t0 = time.perf_counter()
+    tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+    _check_pairs(tensors)
+    protocol, reply = _two_phase(engine, tensors), None
+    try:
+        while True:
+            method, args = protocol.send(reply)
+            try:
+                reply = await engine.collective_rpc(method, args=args)
+            except NotImplementedError as e:
+                raise RuntimeError(_NO_WORKER_METHODS) from e
+    except StopIteration as done:
+        nbytes, n, changed, total, scale = done.value
+    await engine.reset_prefix_cache()
+    return SyncResult(nbytes, time.perf_counter() - t0, n, changed, total, scale)
 
 
 def _check_pairs(tensors) -> None:

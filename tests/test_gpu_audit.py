@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 EXPECTED_KERNELS = {
     "quantize_rows", "token_logprobs_fwd", "token_logprobs_bwd", "linear_logprobs_fwd_tile",
     "linear_logprobs_bwd_tile", "policy_loss_fwd", "policy_loss_bwd", "value_loss_fwd", "value_loss_bwd",
-    "gae_fwd", "gae_whiten",
+    "gae_fwd", "gae_whiten", "w8_linear", "w8_epilogue",
 }
 
 
@@ -105,3 +105,89 @@ def test_e4m3fn_bytes_match_torch_for_every_finite_value():
         q, s = fk.quantize_rows(values.reshape(1, -1), torch.float8_e4m3fn)
     assert s.item() == 1.0
     assert torch.equal(q.view(torch.uint8).reshape(-1), values.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+STREAMING_ROW_KERNELS = {"token_logprobs_fwd", "token_logprobs_bwd", "linear_logprobs_fwd_tile",
+                         "linear_logprobs_bwd_tile", "policy_loss_fwd", "policy_loss_bwd", "value_loss_fwd",
+                         "value_loss_bwd", "gae_fwd", "gae_whiten"}
+
+
+def _elements_per_thread(row, arch):
+    import re
+
+    m = re.search(r"\bBLOCK(?:_V)?=(\d+)", row.constexprs)
+    return int(m.group(1)) // (row.num_warps * arch.warp_size) if m else 0
+
+
+def test_streaming_loops_use_vector_loads(quick_rows):
+    # the streaming loops load 64 or 128 bits per thread wherever the tile gives a thread 2+ elements, also for
+    # rows of 32003 elements, sequences at runtime cu_seqlens offsets and N not a multiple of 16 (before the
+    # aligned loops none of policy_loss / value_loss / gae and no 32003-wide row did; docs/gpu.md)
+    from flashrl_kernels.gpu_audit import ARCHS
+
+    checked = 0
+    for r in quick_rows:
+        per_thread = _elements_per_thread(r, ARCHS[r.arch])
+        if r.kernel not in STREAMING_ROW_KERNELS or per_thread < 2:
+            continue
+        checked += 1
+        if r.arch == "gfx942":  # (scalar cu_seqlens loads are s_load there: every global_load_dwordx2/x4 counts)
+            assert r.global_loads_128 + r.global_loads_64 > 0, (r.arch, r.kernel, r.spec, r.constexprs)
+        elif per_thread >= 8:  # 16+ bytes per thread even in bf16
+            assert r.global_loads_128 > 0, (r.arch, r.kernel, r.spec, r.constexprs)
+        else:  # more 64/128-bit loads than the two int64 cu_seqlens loads (LDG.E.64 as well)
+            assert r.global_loads_128 + r.global_loads_64 > 2, (r.arch, r.kernel, r.spec, r.constexprs)
+    assert checked >= 40
+    v32003 = [r for r in quick_rows if r.kernel == "token_logprobs_fwd" and "V=32003" in r.spec and r.arch == "90"]
+    assert v32003 and all(r.global_loads_128 >= 2 for r in v32003)
+
+
+def test_load_width_parsing():
+    from flashrl_kernels.gpu_audit import _width
+
+    assert _width("LDG.E.128") == 128
+    assert _width("LDG.E.128.CONSTANT") == 128
+    assert _width("LDGSTS.E.BYPASS.LTC128B.128") == 128  # cp.async of 16 bytes
+    assert _width("LDGSTS.E.LTC128B") == 32  # an L2 hint, not the width
+    assert _width("LDG.E.64") == 64
+    assert _width("LDG.E.U16") == 32 and _width("LDG.E") == 32
+
+
+def test_hip_launches_drop_cuda_only_options():
+    from flashrl_kernels import gpu_audit
+
+    launch = gpu_audit.Launch("k", None, (), {"num_warps": 8, "maxnreg": 128})
+    assert gpu_audit.for_backend(launch, gpu_audit.ARCHS["gfx942"]).kwargs == {"num_warps": 8}
+    assert gpu_audit.for_backend(launch, gpu_audit.ARCHS["80"]).kwargs["maxnreg"] == 128
+
+
+def test_policy_forward_register_cap_only_on_cuda():
+    from flashrl_kernels.triton_impl.policy_loss import register_cap
+
+    assert register_cap(torch.device("cpu")) == {}
+
+
+def test_roofline_arithmetic():
+    from flashrl_kernels.gpu_audit import ROOFLINE_GPUS, Work, roofline_work
+
+    h100 = next(g for g in ROOFLINE_GPUS if g.name.startswith("H100"))
+    tok = next(w for w in roofline_work() if w.op == "token_logprobs fwd (+entropy)")
+    assert tok.stream_bytes == 16384 * 151936 * 2 + 16384 * 20
+    assert abs(tok.seconds(h100) - tok.stream_bytes / (0.9 * 3350e9)) < 1e-12
+    gemm = Work("x", "", 0.0, gemm_flops=2 * 4096**3, gemm_bytes=1.0, math="int8")
+    assert abs(gemm.seconds(h100) - 2 * 4096**3 / (0.75 * 1979e12)) < 1e-12
+    a100 = ROOFLINE_GPUS[0]
+    fp8 = Work("x", "", 0.0, gemm_flops=1e12, math="fp8")
+    assert fp8.seconds(a100) == Work("x", "", 0.0, gemm_flops=1e12, math="bf16").seconds(a100)  # no FP8 cores
+
+
+def test_docs_tables_are_generated_from_the_code():
+    # docs/gpu.md carries the per-GPU scaled_linear table and the roofline exactly as the code produces them
+    import pathlib
+
+    from flashrl_kernels.gpu_audit import roofline_markdown
+    from flashrl_kernels.triton_impl.qlinear import selection_markdown
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text()
+    assert selection_markdown() in doc
+    assert roofline_markdown() in doc

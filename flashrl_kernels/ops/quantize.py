@@ -188,9 +188,12 @@ def scaled_linear(
 
     activation_quant=False: weight-only (W8A16), the activations stay in x.dtype.
     activation_quant=True: dynamic W8A8, the activations are quantized per token
-    to q.dtype first; on a GPU this runs torch._scaled_mm (FP8, sm89+) or
-    torch._int_mm (INT8) with fp32 scale epilogues; elsewhere it is emulated
-    exactly. Returns [..., N] in x.dtype.
+    to q.dtype first. On a GPU the kernel is chosen per GPU generation, dtype
+    and M (triton_impl/qlinear.select_scaled_linear: vLLM's CUTLASS scaled-mm
+    when vLLM provides it, Triton kernels with the codes widened in registers
+    and the scales fused, torch._int_mm / torch._scaled_mm); on the CPU the
+    native C++ kernel; elsewhere it is emulated exactly. Returns [..., N] in
+    x.dtype.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim_min=1)
     check_tensor("q", q)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 WHITEN_EPS = 1e-8
+ALIGN = 16  # tokens: blocks end at multiples of this (vector loads; see _gae_fwd_kernel)
 MAX_BLOCK = 1024  # tests lower it to exercise the carries across blocks under the interpreter
 
 
@@ -48,8 +49,27 @@ def _first(x, idx):
 
 
 @triton.jit
+def _gae_tile(R, V, MASK, offs, inb, FULL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Valid-token mask, rewards and values of one block (r, v = 0 outside the sequence)."""
+    if FULL:
+        r = tl.load(R + offs).to(tl.float32)
+        v = tl.load(V + offs).to(tl.float32)
+        m = inb
+        if HAS_MASK:
+            m = (tl.load(MASK + offs) != 0) & inb
+    else:
+        r = tl.load(R + offs, mask=inb, other=0.0).to(tl.float32)
+        v = tl.load(V + offs, mask=inb, other=0.0).to(tl.float32)
+        m = inb
+        if HAS_MASK:
+            m = (tl.load(MASK + offs, mask=inb, other=0) != 0) & inb
+    return m, r, v
+
+
+@triton.jit
 def _gae_fwd_kernel(R, V, MASK, CU, LAM, CLAM, ADV, RET, STATS, N, gamma,
-                    HAS_MASK: tl.constexpr, TWO: tl.constexpr, WHITEN: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_MASK: tl.constexpr, TWO: tl.constexpr, WHITEN: tl.constexpr, BLOCK: tl.constexpr,
+                    ALIGN: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     start = tl.minimum(tl.maximum(tl.load(CU + seq), 0), N)
     end = tl.minimum(tl.maximum(tl.load(CU + seq + 1), start), N)
@@ -62,20 +82,25 @@ def _gae_fwd_kernel(R, V, MASK, CU, LAM, CLAM, ADV, RET, STATS, N, gamma,
     cnt = tl.zeros((), tl.float32)  # whitening: running count, mean, M2 of the sequence's advantages
     mean = tl.zeros((), tl.float32)
     m2 = tl.zeros((), tl.float32)
-    nblocks = tl.cdiv(end - start, BLOCK)
+    # blocks end at multiples of ALIGN (the first one at `end` rounded up): the blocks inside the sequence load
+    # and store without a mask (vectorized); past `end` the scan elements are identities, so nothing leaks left
+    top = ((end + ALIGN - 1) // ALIGN) * ALIGN
+    nblocks = tl.cdiv(top - start, BLOCK)
     for k in range(nblocks):
-        offs = end - (k + 1) * BLOCK + idx
-        inb = offs >= start
+        first = top - (k + 1) * BLOCK
+        offs = first + idx
+        inb = (offs >= start) & (offs < end)
         offs1 = offs + 1
         inb1 = (offs1 >= start) & (offs1 < end)
-        r = tl.load(R + offs, mask=inb, other=0.0).to(tl.float32)
-        v = tl.load(V + offs, mask=inb, other=0.0).to(tl.float32)
-        v1 = tl.load(V + offs1, mask=inb1, other=0.0).to(tl.float32)
+        full = (first >= start) & (first + BLOCK <= end)
+        if full:
+            m, r, v = _gae_tile(R, V, MASK, offs, inb, True, HAS_MASK)
+        else:
+            m, r, v = _gae_tile(R, V, MASK, offs, inb, False, HAS_MASK)
+        v1 = tl.load(V + offs1, mask=inb1, other=0.0).to(tl.float32)  # shifted by one token: unaligned, L1 hits
         if HAS_MASK:
-            m = (tl.load(MASK + offs, mask=inb, other=0) != 0) & inb
             m1 = (tl.load(MASK + offs1, mask=inb1, other=0) != 0) & inb1
         else:
-            m = inb
             m1 = inb1
         # 1. next valid value
         ya, yb = tl.associative_scan((tl.where(m1, 0.0, 1.0), tl.where(m1, v1, 0.0)), 0, _lin, reverse=True)
@@ -95,8 +120,12 @@ def _gae_fwd_kernel(R, V, MASK, CU, LAM, CLAM, ADV, RET, STATS, N, gamma,
             rr = adv
         nv = _first(y, idx)
         ca = _first(adv, idx)
-        tl.store(ADV + offs, tl.where(m, adv, 0.0), mask=inb)
-        tl.store(RET + offs, tl.where(m, rr + v, 0.0), mask=inb)
+        if full:
+            tl.store(ADV + offs, tl.where(m, adv, 0.0))
+            tl.store(RET + offs, tl.where(m, rr + v, 0.0))
+        else:
+            tl.store(ADV + offs, tl.where(m, adv, 0.0), mask=inb)
+            tl.store(RET + offs, tl.where(m, rr + v, 0.0), mask=inb)
         if WHITEN:
             bn = tl.sum(m.to(tl.float32), axis=0)
             bmean = tl.sum(tl.where(m, adv, 0.0), axis=0) / tl.maximum(bn, 1.0)
@@ -115,16 +144,30 @@ def _gae_fwd_kernel(R, V, MASK, CU, LAM, CLAM, ADV, RET, STATS, N, gamma,
 
 
 @triton.jit
+def _whiten_tile(ADV, MASK, offs, inb, mean, rstd, FULL: tl.constexpr, HAS_MASK: tl.constexpr):
+    if FULL:
+        out = (tl.load(ADV + offs) - mean) * rstd
+        if HAS_MASK:
+            out = tl.where(tl.load(MASK + offs) != 0, out, 0.0)
+        tl.store(ADV + offs, out)
+    else:
+        out = (tl.load(ADV + offs, mask=inb, other=0.0) - mean) * rstd
+        if HAS_MASK:
+            out = tl.where(tl.load(MASK + offs, mask=inb, other=0) != 0, out, 0.0)
+        tl.store(ADV + offs, out, mask=inb)
+
+
+@triton.jit
 def _whiten_kernel(ADV, MASK, MOMENTS, N, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     inb = offs < N
     mean = tl.load(MOMENTS)
     rstd = tl.load(MOMENTS + 1)
-    a = tl.load(ADV + offs, mask=inb, other=0.0)
-    out = (a - mean) * rstd
-    if HAS_MASK:
-        out = tl.where(tl.load(MASK + offs, mask=inb, other=0) != 0, out, 0.0)
-    tl.store(ADV + offs, out, mask=inb)
+    if start + BLOCK <= N:  # every block but the last: unmasked (vectorized) whatever N is
+        _whiten_tile(ADV, MASK, offs, inb, mean, rstd, True, HAS_MASK)
+    else:
+        _whiten_tile(ADV, MASK, offs, inb, mean, rstd, False, HAS_MASK)
 
 
 def merge_moments(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +207,7 @@ def gae_forward(rewards, values, mask, cu_seqlens, lam, critic_lam, gamma, white
     block, warps = _block(n, nseq, uniform_len)
     _gae_fwd_kernel[(nseq,)](
         rewards, values, mask_arg, cu_seqlens, lam, critic_lam, adv, ret, seq_stats, n, float(gamma),
-        HAS_MASK=mask is not None, TWO=two, WHITEN=bool(whiten), BLOCK=block, num_warps=warps,
+        HAS_MASK=mask is not None, TWO=two, WHITEN=bool(whiten), BLOCK=block, ALIGN=ALIGN, num_warps=warps,
     )
     if not whiten:
         return adv, ret, torch.zeros(0, dtype=f32, device=dev)

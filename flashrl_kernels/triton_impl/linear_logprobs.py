@@ -16,6 +16,9 @@ torch passes of the torch epilogue:
   in the operand dtype for the two gradient GEMMs. One read, one write.
 The GEMMs dominate (2NHV flops forward, 6NHV backward); the epilogues add
 4 bytes (forward) and 4 + 2 bytes (backward) per logit of memory traffic.
+Each row loop walks tiles aligned to ALIGN elements of the tile's storage, with
+a masked head and tail (as in logprobs.py): vectorized loads whatever the
+tile's width (32003 columns, or the last vocab block's 3331).
 """
 from __future__ import annotations
 
@@ -24,36 +27,47 @@ import triton
 import triton.language as tl
 
 from ..torch_impl.linear_logprobs import backward_loop, stats_loop
-from .logprobs import block_v, logprob_grad_block, online_lse_step
+from .logprobs import ALIGN, block_v, logprob_grad_block, online_lse_step, row_frame, same_phase, store_row_tile
 
 
 @triton.jit
-def _scaled_logits(z_row, BIAS, offs, mask, HAS_BIAS: tl.constexpr, TEMPERATURE: tl.constexpr):
-    """One block of a tile row as (z + bias) / T in fp32; -inf past the tile's edge."""
-    u = tl.load(z_row + offs, mask=mask, other=float("-inf"))
-    if HAS_BIAS:
-        u = u + tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+def _scaled_tile(ROW, BIAS, c, head, length, HAS_BIAS: tl.constexpr, TEMPERATURE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """One aligned tile of a tile row (the frame of logprobs.aligned_row_tile) as (z + bias) / T in fp32, -inf
+    outside the row; and the columns. Tiles inside the row load without a mask, the row's ends with one."""
+    offs = c + tl.arange(0, BLOCK)
+    col = offs - head
+    if (c >= head) & (c + BLOCK <= head + length):
+        u = tl.load(ROW + offs)
+        if HAS_BIAS:
+            u = u + tl.load(BIAS + col).to(tl.float32)
+    else:
+        inside = (offs >= head) & (offs < head + length)
+        u = tl.load(ROW + offs, mask=inside, other=float("-inf"))
+        if HAS_BIAS:
+            u = u + tl.load(BIAS + col, mask=inside, other=0.0).to(tl.float32)
     if TEMPERATURE != 1.0:
         u = u / TEMPERATURE
-    return u
+    return u, col
 
 
 @triton.jit
 def _linear_fwd_tile_kernel(
     Z, stride_z, BIAS, TGT, M, S, W, ZT, COLS,
     HAS_BIAS: tl.constexpr, TEMPERATURE: tl.constexpr, RETURN_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
-    z_row = Z + r * stride_z
+    e0 = r * stride_z  # the tile row is Z[e0 : e0 + COLS]
+    z_row = Z + e0
     tgt = tl.load(TGT + r).to(tl.int64)
 
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     w = tl.zeros((), tl.float32)
-    for start in range(0, COLS, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < COLS
-        u = _scaled_logits(z_row, BIAS, offs, mask, HAS_BIAS, TEMPERATURE)
+    a0, head = row_frame(e0, ALIGN)
+    for c in range(0, COLS + head, BLOCK):
+        u, _ = _scaled_tile(Z + a0, BIAS, c, head, COLS, HAS_BIAS, TEMPERATURE, BLOCK)
         m, s, w = online_lse_step(u, m, s, w, RETURN_ENTROPY)
 
     # the target's u, if this tile holds it
@@ -88,10 +102,10 @@ def _linear_fwd_tile_kernel(
 def _linear_bwd_tile_kernel(
     Z, stride_z, BIAS, TGT, LSE, ENT, GLP, GH, DZ, stride_dz, COLS,
     HAS_BIAS: tl.constexpr, TEMPERATURE: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
+    SAME_PHASE: tl.constexpr, ALIGN: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
-    z_row = Z + r * stride_z
-    dz_row = DZ + r * stride_dz
+    e0 = r * stride_z
     tgt = tl.load(TGT + r).to(tl.int64)
     lse = tl.load(LSE + r)
     g_lp = tl.load(GLP + r)
@@ -100,12 +114,11 @@ def _linear_bwd_tile_kernel(
     if HAS_GH:
         g_h = tl.load(GH + r)
         h = tl.load(ENT + r)
-    for start in range(0, COLS, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < COLS
-        u = _scaled_logits(z_row, BIAS, offs, mask, HAS_BIAS, TEMPERATURE)
-        g = logprob_grad_block(u, offs, tgt, lse, g_lp, g_h, h, TEMPERATURE, HAS_GH)
-        tl.store(dz_row + offs, g.to(DZ.dtype.element_ty), mask=mask)
+    a0, head = row_frame(e0, ALIGN)
+    for c in range(0, COLS + head, BLOCK):
+        u, col = _scaled_tile(Z + a0, BIAS, c, head, COLS, HAS_BIAS, TEMPERATURE, BLOCK)
+        g = logprob_grad_block(u, col, tgt, lse, g_lp, g_h, h, TEMPERATURE, HAS_GH)
+        store_row_tile(DZ, c, head, COLS, g.to(DZ.dtype.element_ty), r * stride_dz, SAME_PHASE, ALIGN, BLOCK)
 
 
 def _fwd_epilogue(z, bias_c, tgt_c, temperature, return_entropy, m, s, w, zt):
@@ -113,7 +126,7 @@ def _fwd_epilogue(z, bias_c, tgt_c, temperature, return_entropy, m, s, w, zt):
     _linear_fwd_tile_kernel[(rows,)](
         z, z.stride(0), bias_c if bias_c is not None else z, tgt_c, m, s, w, zt, cols,
         HAS_BIAS=bias_c is not None, TEMPERATURE=float(temperature), RETURN_ENTROPY=bool(return_entropy),
-        BLOCK=block_v(cols), num_warps=8,
+        BLOCK=block_v(cols), ALIGN=ALIGN, num_warps=8,
     )
 
 
@@ -126,7 +139,8 @@ def _bwd_epilogue(z, bias_c, tgt_c, temperature, lse, ent, g_lp, g_h, out_dtype,
         z, z.stride(0), bias_c if bias_c is not None else z, tgt_c, lse, ent if has_gh else lse,
         g_lp, g_h if has_gh else g_lp, dz, dz.stride(0), cols,
         HAS_BIAS=bias_c is not None, TEMPERATURE=float(temperature), HAS_GH=has_gh,
-        BLOCK=block_v(cols), num_warps=8,
+        BLOCK=block_v(cols), SAME_PHASE=same_phase([(z.stride(0), rows)], [(dz.stride(0), rows)]), ALIGN=ALIGN,
+        num_warps=8,
     )
     return dz
 

@@ -13,6 +13,11 @@ KiB stay in L2 for the second). Each program writes one row of statistics
 the torch backend) makes the loss and the metrics. All hyper-parameters are
 tl.constexpr. The backward is one more per-sequence pass:
 grad = (g_tok + mask * seq_coef[i]) * grad_loss / divisor.
+
+Load width: a sequence starts at a runtime cu_seqlens offset, which the compiler
+cannot prove aligned, so every loop starts at that offset rounded down to a
+multiple of ALIGN tokens: the tiles inside the sequence load and store without
+a mask (vector loads on the GPU), the first and last ones with one.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import triton.language as tl
 from ..torch_impl.policy_loss import N_STATS, combine_stats, finish
 
 _LEVELS = {"token": 0, "sequence": 1, "sequence_token": 2}
+ALIGN = 16  # tokens: a sequence's tiles start at a multiple of this (see the module docstring)
 _TIS = {"none": 0, "token_truncate": 1, "token_mask": 2, "sequence_truncate": 3, "sequence_mask": 4}
 
 
@@ -40,6 +46,71 @@ def _tis_weight(log_rho, TIS: tl.constexpr, TIS_MIN: tl.constexpr, TIS_MAX: tl.c
 
 
 @triton.jit
+def _ld(PTR, offs, valid, FULL: tl.constexpr, GUARD: tl.constexpr):
+    """PTR[offs] in fp32, 0 where not `valid`. FULL: the tile lies inside the sequence, so the load needs no mask
+    (vectorized); GUARD: valid may still be False there (a token mask), so the value is selected."""
+    if FULL:
+        x = tl.load(PTR + offs).to(tl.float32)
+        if GUARD:
+            x = tl.where(valid, x, 0.0)
+    else:
+        x = tl.load(PTR + offs, mask=valid, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _valid(MASK, offs, inb, FULL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """In-sequence tokens that the mask keeps."""
+    valid = inb
+    if HAS_MASK:
+        if FULL:
+            valid = inb & (tl.load(MASK + offs) != 0)
+        else:
+            valid = inb & (tl.load(MASK + offs, mask=inb, other=0) != 0)
+    return valid
+
+
+@triton.jit
+def _st(PTR, offs, value, inb, FULL: tl.constexpr):
+    if FULL:
+        tl.store(PTR + offs, value)
+    else:
+        tl.store(PTR + offs, value, mask=inb)
+
+
+@triton.jit
+def _pass1_loads(LOGP, OLD, ROLL, MASK, offs, inb, FULL: tl.constexpr, HAS_MASK: tl.constexpr, TIS: tl.constexpr):
+    valid = _valid(MASK, offs, inb, FULL, HAS_MASK)
+    lp = _ld(LOGP, offs, valid, FULL, HAS_MASK)
+    old = _ld(OLD, offs, valid, FULL, HAS_MASK)
+    roll = lp
+    if TIS >= 3:
+        roll = _ld(ROLL, offs, valid, FULL, HAS_MASK)
+    return valid, lp, old, roll
+
+
+@triton.jit
+def _pass2_loads(LOGP, OLD, ADV, MASK, ROLL, REF, ENT, offs, inb, FULL: tl.constexpr, HAS_MASK: tl.constexpr,
+                 ADV_PER_SEQ: tl.constexpr, HAS_ROLL: tl.constexpr, HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr):
+    valid = _valid(MASK, offs, inb, FULL, HAS_MASK)
+    lp = _ld(LOGP, offs, valid, FULL, HAS_MASK)
+    old = _ld(OLD, offs, valid, FULL, HAS_MASK)
+    a = lp
+    if not ADV_PER_SEQ:
+        a = _ld(ADV, offs, valid, FULL, HAS_MASK)
+    roll = lp
+    if HAS_ROLL:
+        roll = _ld(ROLL, offs, valid, FULL, HAS_MASK)
+    ref = lp
+    if HAS_REF:
+        ref = _ld(REF, offs, valid, FULL, HAS_MASK)
+    h = lp
+    if HAS_ENT:
+        h = _ld(ENT, offs, valid, FULL, HAS_MASK)
+    return valid, lp, old, a, roll, ref, h
+
+
+@triton.jit
 def _policy_loss_fwd_kernel(
     LOGP, OLD, ADV, MASK, CU, ROLL, REF, ENT, G_TOK, G_ENT, SEQ_COEF, STATS, N,
     LEVEL: tl.constexpr, TIS: tl.constexpr, TIS_MEAN: tl.constexpr, SEQ_MEAN: tl.constexpr,
@@ -47,6 +118,7 @@ def _policy_loss_fwd_kernel(
     HAS_ENT: tl.constexpr, HAS_DUAL: tl.constexpr, NEED_PASS1: tl.constexpr,
     EPS_LOW: tl.constexpr, EPS_HIGH: tl.constexpr, DUAL_C: tl.constexpr, TIS_MIN: tl.constexpr,
     TIS_MAX: tl.constexpr, BETA: tl.constexpr, ENT_COEF: tl.constexpr, NSTATS: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     start = tl.minimum(tl.maximum(tl.load(CU + seq), 0), N)
@@ -54,23 +126,23 @@ def _policy_loss_fwd_kernel(
     lo = 1.0 - EPS_LOW
     hi = 1.0 + EPS_HIGH
     idx = tl.arange(0, BLOCK)
+    base = (start // ALIGN) * ALIGN  # tiles start at multiples of ALIGN: masked head, unmasked (vectorized) middle
 
     # ---- pass 1: per-sequence sums needed before the token terms ----
     cnt = tl.zeros((), tl.float32)
     sum_lr = tl.zeros((), tl.float32)
     sum_tis = tl.zeros((), tl.float32)
     if NEED_PASS1:
-        for k in range(start, end, BLOCK):
+        for k in range(base, end, BLOCK):
             offs = k + idx
-            valid = offs < end
-            if HAS_MASK:
-                valid = valid & (tl.load(MASK + offs, mask=valid, other=0) != 0)
-            lp = tl.load(LOGP + offs, mask=valid, other=0.0).to(tl.float32)
-            old = tl.load(OLD + offs, mask=valid, other=0.0).to(tl.float32)
+            inb = (offs >= start) & (offs < end)
+            if (k >= start) & (k + BLOCK <= end):
+                valid, lp, old, roll = _pass1_loads(LOGP, OLD, ROLL, MASK, offs, inb, True, HAS_MASK, TIS)
+            else:
+                valid, lp, old, roll = _pass1_loads(LOGP, OLD, ROLL, MASK, offs, inb, False, HAS_MASK, TIS)
             cnt += tl.sum(valid.to(tl.float32), axis=0)
             sum_lr += tl.sum(tl.where(valid, lp - old, 0.0), axis=0)
             if TIS >= 3:
-                roll = tl.load(ROLL + offs, mask=valid, other=0.0).to(tl.float32)
                 sum_tis += tl.sum(tl.where(valid, old - roll, 0.0), axis=0)
     n1 = tl.maximum(cnt, 1.0)
     s = tl.exp(sum_lr / n1)
@@ -108,20 +180,20 @@ def _policy_loss_fwd_kernel(
     g_seq = tl.zeros((), tl.float32)
     cnt2 = tl.zeros((), tl.float32)
     sum_lr2 = tl.zeros((), tl.float32)
-    for k in range(start, end, BLOCK):
+    for k in range(base, end, BLOCK):
         offs = k + idx
-        inb = offs < end
-        valid = inb
-        if HAS_MASK:
-            valid = valid & (tl.load(MASK + offs, mask=inb, other=0) != 0)
+        inb = (offs >= start) & (offs < end)
+        full = (k >= start) & (k + BLOCK <= end)
+        if full:
+            valid, lp, old, a, roll, ref, h = _pass2_loads(LOGP, OLD, ADV, MASK, ROLL, REF, ENT, offs, inb, True,
+                                                           HAS_MASK, ADV_PER_SEQ, HAS_ROLL, HAS_REF, HAS_ENT)
+        else:
+            valid, lp, old, a, roll, ref, h = _pass2_loads(LOGP, OLD, ADV, MASK, ROLL, REF, ENT, offs, inb, False,
+                                                           HAS_MASK, ADV_PER_SEQ, HAS_ROLL, HAS_REF, HAS_ENT)
         vf = valid.to(tl.float32)
-        lp = tl.load(LOGP + offs, mask=valid, other=0.0).to(tl.float32)
-        old = tl.load(OLD + offs, mask=valid, other=0.0).to(tl.float32)
         lr = tl.where(valid, lp - old, 0.0)
         if ADV_PER_SEQ:
             a = a_seq * vf
-        else:
-            a = tl.where(valid, tl.load(ADV + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
         r_tok = tl.exp(lr)
         if LEVEL == 0:
             r = r_tok
@@ -141,7 +213,6 @@ def _policy_loss_fwd_kernel(
         if HAS_DUAL:
             c_dual += tl.sum((neg & (r > DUAL_C)).to(tl.float32), axis=0)
         if HAS_ROLL:
-            roll = tl.load(ROLL + offs, mask=valid, other=0.0).to(tl.float32)
             x = tl.where(valid, old - roll, 0.0)
             sum_mkl += tl.sum(tl.exp(x) - 1.0 - x, axis=0)
         if TIS == 1 or TIS == 2:
@@ -159,7 +230,6 @@ def _policy_loss_fwd_kernel(
             g_seq += tl.sum(g, axis=0)
             g = tl.zeros_like(g)
         if HAS_REF:
-            ref = tl.load(REF + offs, mask=valid, other=0.0).to(tl.float32)
             y = tl.where(valid, ref - lp, 0.0)
             e = tl.exp(y)
             kl = e - y - 1.0
@@ -168,13 +238,18 @@ def _policy_loss_fwd_kernel(
                 loss_t += BETA * kl
                 g += BETA * (1.0 - e)
         if HAS_ENT:
-            h = tl.where(valid, tl.load(ENT + offs, mask=valid, other=0.0).to(tl.float32), 0.0)
             sum_ent += tl.sum(h, axis=0)
             if ENT_COEF != 0.0:
                 loss_t -= ENT_COEF * h
-            tl.store(G_ENT + offs, (-ENT_COEF * alpha) * vf, mask=inb)
         q += tl.sum(loss_t, axis=0)
-        tl.store(G_TOK + offs, g * alpha, mask=inb)
+        if full:
+            if HAS_ENT:
+                _st(G_ENT, offs, (-ENT_COEF * alpha) * vf, inb, True)
+            _st(G_TOK, offs, g * alpha, inb, True)
+        else:
+            if HAS_ENT:
+                _st(G_ENT, offs, (-ENT_COEF * alpha) * vf, inb, False)
+            _st(G_TOK, offs, g * alpha, inb, False)
         sum_r += tl.sum(r_tok * vf, axis=0)
         max_r = tl.maximum(max_r, tl.max(tl.where(valid, r_tok, float("-inf")), axis=0))
         min_r = tl.minimum(min_r, tl.min(tl.where(valid, r_tok, float("inf")), axis=0))
@@ -220,9 +295,24 @@ def _policy_loss_fwd_kernel(
 
 
 @triton.jit
+def _policy_bwd_tile(G_TOK, G_ENT, MASK, GRAD_LOGP, GRAD_ENT, offs, inb, gs, coef, FULL: tl.constexpr,
+                     HAS_SEQ: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENT: tl.constexpr):
+    g = _ld(G_TOK, offs, inb, FULL, False) * gs
+    if HAS_SEQ:
+        if HAS_MASK:
+            g += coef * _valid(MASK, offs, inb, FULL, True).to(tl.float32)
+        else:
+            g += coef
+    _st(GRAD_LOGP, offs, g, inb, FULL)
+    if HAS_ENT:
+        _st(GRAD_ENT, offs, _ld(G_ENT, offs, inb, FULL, False) * gs, inb, FULL)
+
+
+@triton.jit
 def _policy_loss_bwd_kernel(
     G_TOK, G_ENT, SEQ_COEF, MASK, CU, GRAD_LOSS, SCALE, GRAD_LOGP, GRAD_ENT, N,
     HAS_SEQ: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     start = tl.minimum(tl.maximum(tl.load(CU + seq), 0), N)
@@ -232,19 +322,15 @@ def _policy_loss_bwd_kernel(
     if HAS_SEQ:
         coef = tl.load(SEQ_COEF + seq) * gs
     idx = tl.arange(0, BLOCK)
-    for k in range(start, end, BLOCK):
+    for k in range((start // ALIGN) * ALIGN, end, BLOCK):
         offs = k + idx
-        inb = offs < end
-        g = tl.load(G_TOK + offs, mask=inb, other=0.0) * gs
-        if HAS_SEQ:
-            if HAS_MASK:
-                m = (tl.load(MASK + offs, mask=inb, other=0) != 0).to(tl.float32)
-                g += coef * m
-            else:
-                g += coef
-        tl.store(GRAD_LOGP + offs, g, mask=inb)
-        if HAS_ENT:
-            tl.store(GRAD_ENT + offs, tl.load(G_ENT + offs, mask=inb, other=0.0) * gs, mask=inb)
+        inb = (offs >= start) & (offs < end)
+        if (k >= start) & (k + BLOCK <= end):
+            _policy_bwd_tile(G_TOK, G_ENT, MASK, GRAD_LOGP, GRAD_ENT, offs, inb, gs, coef, True, HAS_SEQ, HAS_MASK,
+                             HAS_ENT)
+        else:
+            _policy_bwd_tile(G_TOK, G_ENT, MASK, GRAD_LOGP, GRAD_ENT, offs, inb, gs, coef, False, HAS_SEQ, HAS_MASK,
+                             HAS_ENT)
 
 
 def _block(n: int, nseq: int, uniform_len: int) -> tuple[int, int]:
@@ -255,6 +341,13 @@ def _block(n: int, nseq: int, uniform_len: int) -> tuple[int, int]:
     # 2048 / 8 warps spilled on sm_80 / sm_90), 4 at 1024 / 8 warps: 16 warps spilled 8 bytes on sm_80 at 40
     # registers, 8 warps use up to 128 with none (docs/gpu.md)
     return block, min(8, block // 64)
+
+
+def register_cap(device: torch.device) -> dict:
+    """Launch options of the forward kernel: on CUDA a cap of 128 registers per thread (.maxnreg). Without it
+    ptxas keeps 64-80 registers for occupancy and spills 4-20 bytes on sm_80 in the masked-head tiles; with it,
+    109-114 registers and no spill (16 warps per SM). HIP launches take no such option."""
+    return {"maxnreg": 128} if device.type == "cuda" and torch.version.hip is None else {}
 
 
 def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entropy, normalizer,
@@ -282,7 +375,7 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
         HAS_ENT=has_ent, HAS_DUAL=dual_clip > 0, NEED_PASS1=(lev != 0 or tis >= 3 or seq_mean),
         EPS_LOW=float(eps_low), EPS_HIGH=float(eps_high), DUAL_C=float(dual_clip) if dual_clip > 0 else math.inf,
         TIS_MIN=float(tis_min), TIS_MAX=float(tis_max), BETA=float(beta), ENT_COEF=float(entropy_coef),
-        NSTATS=N_STATS, BLOCK=block, num_warps=warps,
+        NSTATS=N_STATS, BLOCK=block, ALIGN=ALIGN, num_warps=warps, **register_cap(dev),
     )
     return finish(combine_stats(stats), g_tok, g_ent, seq_coef, logp, mask, cu_seqlens, uniform_len, normalizer,
                   divisor, agg, positive, nll_coef)
@@ -299,6 +392,7 @@ def policy_loss_backward(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, sc
         g_tok, g_ent if has_ent else g_tok, seq_coef if seq_coef.numel() else g_tok,
         mask.view(torch.uint8) if mask is not None else g_tok, cu_seqlens, grad_loss.reshape(()).float(), scale,
         grad_logp, grad_ent if has_ent else grad_logp, n,
-        HAS_SEQ=seq_coef.numel() > 0, HAS_MASK=mask is not None, HAS_ENT=has_ent, BLOCK=block, num_warps=warps,
+        HAS_SEQ=seq_coef.numel() > 0, HAS_MASK=mask is not None, HAS_ENT=has_ent, BLOCK=block, ALIGN=ALIGN,
+        num_warps=warps,
     )
     return grad_logp, grad_ent

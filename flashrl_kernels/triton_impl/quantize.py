@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..reference.quantize import QMAX, ZERO_ROW_AMAX
 from ..torch_impl.quantize import dequantize_rows_forward as _torch_dequantize
-from ..torch_impl.quantize import scaled_linear_with
+from . import qlinear
 
 _MAX_ONE_TILE = 16384
 _LOOP_BLOCK = 4096
@@ -154,5 +154,7 @@ def dequantize_rows_forward(q2d, scale, out_dtype):
 
 
 def scaled_linear_forward(x2d, q, scale, bias, activation_quant):
-    """Triton quantizes the activations; the GEMM is cuBLAS (torch._scaled_mm / torch._int_mm)."""
-    return scaled_linear_with(quantize_rows, x2d, q, scale, bias, activation_quant)
+    """The kernel qlinear.select_scaled_linear picks for this GPU, dtype and M: vLLM's CUTLASS scaled-mm when
+    vLLM provides it, the Triton W8A16 / W8A8 kernels (codes widened in registers, scales fused), or cuBLAS
+    (torch._int_mm + one fused epilogue, torch._scaled_mm). Triton quantizes the activations."""
+    return qlinear.scaled_linear(quantize_rows, x2d, q, scale, bias, activation_quant)

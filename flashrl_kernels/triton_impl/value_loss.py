@@ -15,6 +15,10 @@ without a mask it is the length; with one, each program first counts its sequenc
 (1 byte per token, an L2 hit for all but the first part). The other modes differ only in the
 divisor `finalize` picks. The backward is one flat elementwise pass
 grad = g_tok * grad_loss * scale, stored in the values' dtype.
+
+Load width: parts and tiles start at the sequence's cu_seqlens offset rounded down to a
+multiple of ALIGN tokens, so the tiles inside a part load without a mask (vector loads),
+and the first and last one with one (as in policy_loss.py).
 """
 from __future__ import annotations
 
@@ -23,21 +27,34 @@ import triton
 import triton.language as tl
 
 from ..torch_impl.value_loss import N_STATS, combine_stats, finalize
+from .policy_loss import ALIGN, _ld, _st, _valid
+
+
+@triton.jit
+def _value_tile(V, OLD, RET, MASK, offs, inb, FULL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_CLIP: tl.constexpr):
+    """valid, v, R, old of one tile (0 where not valid); FULL: the tile lies inside its part (unmasked loads)."""
+    valid = _valid(MASK, offs, inb, FULL, HAS_MASK)
+    v = _ld(V, offs, valid, FULL, HAS_MASK)    # masked / out of range: v = R = old = 0,
+    r = _ld(RET, offs, valid, FULL, HAS_MASK)  # so every term below is 0 there
+    o = v
+    if HAS_CLIP:
+        o = _ld(OLD, offs, valid, FULL, HAS_MASK)
+    return valid, v, r, o
 
 
 @triton.jit
 def _value_loss_fwd_kernel(
     V, OLD, RET, MASK, CU, G_TOK, STATS, N, SPLIT,
     HAS_MASK: tl.constexpr, HAS_CLIP: tl.constexpr, SEQ_MEAN: tl.constexpr, STORE_G: tl.constexpr, CLIP: tl.constexpr,
-    NSTATS: tl.constexpr, BLOCK: tl.constexpr,
+    NSTATS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1).to(tl.int64)
     start = tl.minimum(tl.maximum(tl.load(CU + seq), 0), N)
     end = tl.minimum(tl.maximum(tl.load(CU + seq + 1), start), N)
-    length = end - start
-    chunk = tl.cdiv(tl.cdiv(length, BLOCK), SPLIT) * BLOCK
-    lo = tl.minimum(start + part * chunk, end)
+    base = (start // ALIGN) * ALIGN  # parts and tiles start at multiples of ALIGN: masked head, vectorized middle
+    chunk = tl.cdiv(tl.cdiv(end - base, BLOCK), SPLIT) * BLOCK
+    lo = base + part * chunk  # past `end` for parts without tokens: their loop is empty
     hi = tl.minimum(lo + chunk, end)
     idx = tl.arange(0, BLOCK)
 
@@ -45,12 +62,15 @@ def _value_loss_fwd_kernel(
     if SEQ_MEAN:
         if HAS_MASK:
             cnt_seq = tl.zeros((), tl.float32)
-            for k in range(start, end, BLOCK):
+            for k in range(base, end, BLOCK):
                 offs = k + idx
-                inb = offs < end
-                cnt_seq += tl.sum((tl.load(MASK + offs, mask=inb, other=0) != 0).to(tl.float32), axis=0)
+                inb = (offs >= start) & (offs < end)
+                if (k >= start) & (k + BLOCK <= end):
+                    cnt_seq += tl.sum(_valid(MASK, offs, inb, True, True).to(tl.float32), axis=0)
+                else:
+                    cnt_seq += tl.sum(_valid(MASK, offs, inb, False, True).to(tl.float32), axis=0)
         else:
-            cnt_seq = length.to(tl.float32)
+            cnt_seq = (end - start).to(tl.float32)
         alpha = 1.0 / tl.maximum(cnt_seq, 1.0)
 
     cnt = tl.zeros((), tl.float32)
@@ -64,16 +84,15 @@ def _value_loss_fwd_kernel(
     m2_e = tl.zeros((), tl.float32)
     for k in range(lo, hi, BLOCK):
         offs = k + idx
-        inb = offs < hi
-        valid = inb
-        if HAS_MASK:
-            valid = valid & (tl.load(MASK + offs, mask=inb, other=0) != 0)
-        v = tl.load(V + offs, mask=valid, other=0.0).to(tl.float32)   # masked / out of range: v = R = old = 0,
-        r = tl.load(RET + offs, mask=valid, other=0.0).to(tl.float32)  # so every term below is 0 there
+        inb = (offs >= start) & (offs < hi)
+        full = (k >= start) & (k + BLOCK <= hi)
+        if full:
+            valid, v, r, o = _value_tile(V, OLD, RET, MASK, offs, inb, True, HAS_MASK, HAS_CLIP)
+        else:
+            valid, v, r, o = _value_tile(V, OLD, RET, MASK, offs, inb, False, HAS_MASK, HAS_CLIP)
         d = v - r
         l1 = d * d
         if HAS_CLIP:
-            o = tl.load(OLD + offs, mask=valid, other=0.0).to(tl.float32)
             vc = tl.minimum(tl.maximum(v, o - CLIP), o + CLIP)
             dc = vc - r
             l2 = dc * dc
@@ -86,7 +105,10 @@ def _value_loss_fwd_kernel(
             loss_t = l1
             g = d
         if STORE_G:
-            tl.store(G_TOK + offs, g * alpha, mask=inb)
+            if full:
+                _st(G_TOK, offs, g * alpha, inb, True)
+            else:
+                _st(G_TOK, offs, g * alpha, inb, False)
         q += tl.sum(loss_t, axis=0)
         sum_err2 += tl.sum(l1, axis=0)
         sum_v += tl.sum(v, axis=0)
@@ -123,17 +145,25 @@ def _value_loss_fwd_kernel(
 
 @triton.jit
 def _value_loss_bwd_kernel(G_TOK, GRAD_LOSS, SCALE, OUT, N, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     inb = offs < N
     gs = tl.load(GRAD_LOSS).to(tl.float32) * tl.load(SCALE)
-    g = tl.load(G_TOK + offs, mask=inb, other=0.0) * gs
+    full = start + BLOCK <= N  # every block but the last: unmasked (vectorized) whatever N is
+    if full:
+        g = tl.load(G_TOK + offs) * gs
+    else:
+        g = tl.load(G_TOK + offs, mask=inb, other=0.0) * gs
     if BF16:
         # round to nearest even in the fp32 bits first: the interpreter's fp32 -> bf16 cast truncates,
         # the GPU's rounds; after this both are exact, so the tested path is the GPU's
         bits = g.to(tl.int32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         g = (bits & -65536).to(tl.float32, bitcast=True)
-    tl.store(OUT + offs, g.to(OUT.dtype.element_ty), mask=inb)
+    if full:
+        tl.store(OUT + offs, g.to(OUT.dtype.element_ty))
+    else:
+        tl.store(OUT + offs, g.to(OUT.dtype.element_ty), mask=inb)
 
 
 def _launch_config(n: int, nseq: int, uniform_len: int, device: torch.device) -> tuple[int, int, int]:
@@ -169,7 +199,7 @@ def value_loss_forward(values, old_values, returns, mask, cu_seqlens, normalizer
         values, old_values if has_clip else values, returns, mask.view(torch.uint8) if mask is not None else values,
         cu_seqlens, g_tok if need_grad else rows, rows, n, split,  # rows: a valid dummy pointer, never written
         HAS_MASK=mask is not None, HAS_CLIP=has_clip, SEQ_MEAN=agg == "seq-mean-token-mean", STORE_G=bool(need_grad),
-        CLIP=float(clip_range), NSTATS=N_STATS, BLOCK=block, num_warps=warps,
+        CLIP=float(clip_range), NSTATS=N_STATS, BLOCK=block, ALIGN=ALIGN, num_warps=warps,
     )
     loss, metrics, scale = finalize(combine_stats(rows, group=split), normalizer, divisor, agg)
     return loss, metrics, g_tok, scale

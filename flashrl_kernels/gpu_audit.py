@@ -143,8 +143,9 @@ class Spec:
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 FP8 = torch.float8_e4m3fn
-VOCABS = (32003, 151936, 152064)
-HIDDENS = (896, 4096)
+# 32003 (Llama-2 with 3 added tokens: no multiple of 16), 129920, 151936 (Qwen2.5-0.5B), 152064 (Qwen2.5-7B). The hidden size
+# selects no Triton constexpr (the lm_head GEMMs are cuBLAS); the quantized linear's K does (its specs below).
+VOCABS = (32003, 129920, 151936, 152064)
 
 
 def _dt(d: torch.dtype) -> str:
@@ -159,7 +160,7 @@ def _quantize_specs(quick: bool) -> list[Spec]:
     from .triton_impl import quantize as m
 
     out = []
-    ks = (896, 4096, 18944) if not quick else (4096, 18944)  # 18944: Qwen-7B's MLP, the two-loop path
+    ks = (896, 4096, 8192, 18944) if not quick else (4096, 18944)  # 18944: Qwen-7B's MLP, the two-loop path
     wdts = (BF16, FP16, FP32) if not quick else (BF16,)
     for wdt in wdts:
         for qdt in (torch.int8, FP8):

@@ -103,9 +103,14 @@ def test_rollout_tokens_per_s_sums_over_the_run():
     assert "rollout tokens/s" in format_summary({k: v for k, v in summary.items() if k != "rollout_tokens_per_s"})
     asynchronous = {**summary, "rollout_mode": "asynchronous, max staleness 2", "staleness_mean": 1.2,
                     "staleness_max": 2, "multi_version_share": 0.25, "trainer_wait_s": 0.01, "engine_idle_s": 0.2,
-                    "dropped_stale": 3, "task": "chain"}
+                    "dropped_stale": 3, "task": "chain", "frontend_cpu_s": 0.391}
     text = format_summary(asynchronous)
     assert "1.20 / 2 ; 25.0%" in text and "0.010 / 0.200 ; 3" in text and "step accuracy" in text
+    assert any(line.startswith("vLLM front end") and line.endswith("0.391") for line in text.splitlines())
+    # asynchronous steps: tokens over the engine's busy time (step time less its idle time), not the trainer's wait
+    async_steps = [{"rollout_tokens": 100, "time_rollout": 0.01, "time_step": 2.0, "engine_idle": 0.5},
+                   {"rollout_tokens": 60, "time_rollout": 0.0, "time_step": 1.5, "engine_idle": 1.0}]
+    assert rollout_tokens_per_s(async_steps) == pytest.approx(160 / 2.0)
 
 
 def test_chain_task_splits_answers_and_lengths():

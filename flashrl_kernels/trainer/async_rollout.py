@@ -346,10 +346,17 @@ class AsyncVLLMRollout:
 
         cfg = self.cfg
         remaining = s.max_tokens - len(s.tokens)
+        # abort mode: every weight update aborts the request, so all tokens of one submission come from the
+        # version it was submitted under and one final output suffices (it spares a coroutine wake-up per
+        # token; measured: 0.41 -> 0.39 CPU s per chain step, the rest is vLLM's own output processing). Keep
+        # mode needs the deltas: a request runs across updates and each token's version is the one current
+        # when it arrived.
+        final_only = cfg.interrupt == "abort"
+        version = self.gen_version
         # a resubmission draws from another stream (a seeded request restarts its generator)
         params = SamplingParams(n=1, temperature=cfg.temperature, top_k=-1, top_p=1.0, max_tokens=remaining,
                                 logprobs=0, seed=s.seed + 7919 * s.submissions, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
+                                output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA)
         rid = f"g{group.index}-{group.samples.index(s)}-{s.submissions}"
         s.submissions += 1
         reason = None
@@ -361,7 +368,7 @@ class AsyncVLLMRollout:
                     self._last_delta = time.perf_counter()
                     s.tokens += new
                     s.logprobs += [lp[t].logprob for t, lp in zip(new, comp.logprobs)]
-                    s.versions += [self.gen_version] * len(new)
+                    s.versions += [version if final_only else self.gen_version] * len(new)
                 if out.finished:
                     reason = comp.finish_reason
         except BaseException as exc:
@@ -450,6 +457,16 @@ class AsyncVLLMRollout:
         if self._idle_since is not None:
             idle += time.perf_counter() - self._idle_since
         return idle
+
+    def frontend_cpu_seconds(self) -> float:
+        """CPU seconds so far of the thread that runs vLLM's front end in this process (AsyncLLM's output
+        handler decodes every engine step's outputs here, and our per-request coroutines take them): time taken
+        from the trainer's CPUs."""
+
+        async def now() -> float:
+            return time.thread_time()
+
+        return self._call(now())
 
     @property
     def version(self) -> int:

@@ -239,6 +239,7 @@ class Trainer:
     def rl_step(self) -> dict:
         cfg = self.cfg
         m: dict = {"step": self.step + 1}
+        t_step = time.perf_counter()
         r = self._rollout(seed=cfg.seed * 100003 + self.step)
         m["time_rollout"] = r["time"]
         if "versions" in r:
@@ -307,15 +308,20 @@ class Trainer:
                 m.update(self.async_engine.update_weights(self.model))
                 m["engine_idle"] = self.async_engine.engine_idle_seconds() - self._engine_idle_mark
                 self._engine_idle_mark += m["engine_idle"]
+                cpu = self.async_engine.frontend_cpu_seconds()
+                m["frontend_cpu"] = cpu - self._frontend_cpu_mark
+                self._frontend_cpu_mark = cpu
             else:
                 m.update(self.engine.sync(self.model))
         except Exception as exc:
             raise RuntimeError(f"weight sync after step {self.step + 1} failed (the engine still serves the weights "
                                f"of step {self.step}): {exc}") from exc
         self.step += 1
+        m["time_step"] = time.perf_counter() - t_step
         return m
 
     _engine_idle_mark = 0.0
+    _frontend_cpu_mark = 0.0
 
     def _staleness_metrics(self, r: dict) -> dict:
         """Per-step asynchronous-rollout metrics: staleness (versions, per trajectory: the trainer's version

@@ -96,9 +96,17 @@ def rollout_mode_desc(cfg: TrainConfig, trainer=None) -> str:
 
 
 def rollout_tokens_per_s(steps: list[dict]):
-    """Generated completion tokens / rollout wall time, both summed over the steps that logged them."""
-    pairs = [(h["rollout_tokens"], h["time_rollout"]) for h in steps
-             if h.get("rollout_tokens") is not None and h.get("time_rollout")]
+    """Generated completion tokens / rollout wall time, both summed over the steps that logged them. Asynchronous
+    steps: over the engine's busy time (the step's wall time less the engine's idle time), since the trainer's
+    wait for a batch is not the time it took to generate."""
+
+    def seconds(h):
+        if h.get("engine_idle") is not None and h.get("time_step") is not None:
+            return max(h["time_step"] - h["engine_idle"], 0.0)
+        return h.get("time_rollout")
+
+    pairs = [(h["rollout_tokens"], seconds(h)) for h in steps
+             if h.get("rollout_tokens") is not None and seconds(h)]
     seconds = sum(t for _, t in pairs)
     return sum(n for n, _ in pairs) / seconds if seconds > 0 else None
 
@@ -201,6 +209,7 @@ def _train(trainer, cfg: TrainConfig, resume, progress, say, log_path: str, t_st
         "dropped_stale": sum(h.get("dropped_stale", 0) for h in steps),
         "trainer_wait_s": _median_of(steps, "trainer_wait"),
         "engine_idle_s": _median_of(steps, "engine_idle"),
+        "frontend_cpu_s": _median_of(steps, "frontend_cpu"),
         "algo": cfg.algo,
         "value_loss_pretrain_start": pretrain[0]["value_loss"] if pretrain else None,
         "value_loss_pretrain_end": pretrain[-1]["value_loss"] if pretrain else None,
@@ -230,7 +239,7 @@ def format_summary(s: dict) -> str:
         ("TIS truncated/masked fraction (median)", f(s["tis_frac_clipped_median"], ".3f")),
         ("time per step: rollout / logprob / update / sync (s, median)",
          " / ".join(f(s[k], ".3f") for k in ("time_rollout_s", "time_logprob_s", "time_update_s", "time_sync_s"))),
-        ("rollout tokens/s (completion tokens / rollout time, whole run)", f(s.get("rollout_tokens_per_s"), ".1f")),
+        ("rollout tokens/s (completion tokens / rollout time or, async, engine busy time; whole run)", f(s.get("rollout_tokens_per_s"), ".1f")),
         ("rollout mode", s.get("rollout_mode", "-")),
     ]
     if s.get("staleness_mean") is not None:
@@ -239,6 +248,7 @@ def format_summary(s: dict) -> str:
              f"{s['staleness_mean']:.2f} / {s['staleness_max']} ; {s['multi_version_share']:.1%}"),
             ("idle per step: trainer waiting / engine (s, median); groups dropped as stale",
              f"{f(s['trainer_wait_s'], '.3f')} / {f(s['engine_idle_s'], '.3f')} ; {s['dropped_stale']}"),
+            ("vLLM front end in the trainer process (CPU s per step, median)", f(s.get("frontend_cpu_s"), ".3f")),
         ]
     if s.get("sync_codes_changed_median") is not None:
         rows.append(("sync: quantized codes changed / max row-scale change (median)",

@@ -156,13 +156,17 @@ def test_async_run_holds_the_bound_and_logs_versions(tmp_path, interrupt):
     from flashrl_kernels.trainer.run import train
 
     cfg = _cfg(tmp_path, interrupt, max_staleness=1, interrupt=interrupt, steps=4, eval_every=2)
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
     s = train(cfg, progress=False, say=lambda *_: None)
+    # the engine's CPUs came back to the trainer when the engine closed (the final evaluation uses them)
+    assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads
     steps = _log(cfg)
     assert len(steps) == 4
     for m in steps:
         assert 0 <= m["staleness_max"] <= 1 and 0 <= m["staleness_mean"] <= m["staleness_max"]
         assert 0 <= m["multi_version_share"] <= 1 and m["trainer_wait"] >= 0 and m["engine_idle"] >= 0
         assert m["time_sync"] > 0 and "mismatch_kl" in m and "tis_frac_clipped" in m
+        assert 0 < m["frontend_cpu"] < m["time_step"] and m["rollout_tokens"] > 0
     assert steps[0]["staleness_max"] == 0  # the first batch: nothing trained yet
     assert max(m["staleness_max"] for m in steps) == 1  # the engine ran ahead
     assert s["rollout_mode"].startswith("asynchronous, max staleness 1, interrupt " + interrupt)

@@ -205,7 +205,7 @@ def pin_processes(engine_cpus: list[int], trainer_cpus: list[int]) -> None:
     workers (VLLM_CPU_OMP_THREADS_BIND); its engine core's own loop polls and would take a trainer core."""
     if not hasattr(os, "sched_setaffinity"):
         return
-    for pid in _descendants(os.getpid()):
+    for pid in _descendants(os.getpid()) if engine_cpus else []:
         for tid in _threads(pid):
             try:
                 os.sched_setaffinity(tid, engine_cpus)
@@ -259,9 +259,12 @@ class AsyncVLLMRollout:
         self._thread = threading.Thread(target=self._loop.run_forever, name="flashrl-async-rollout", daemon=True)
         self._thread.start()
         self._call(self._start(model_dir, quantization, max_model_len))
-        pin_processes(self.engine_cpus, self.trainer_cpus)
         import torch
 
+        # what close() gives back to the trainer (the final evaluation then runs on every CPU)
+        self._cpus0 = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        self._torch_threads0 = torch.get_num_threads()
+        pin_processes(self.engine_cpus, self.trainer_cpus)
         torch.set_num_threads(len(self.trainer_cpus))
         self._producer = None
 
@@ -494,4 +497,9 @@ class AsyncVLLMRollout:
             self._thread.join(timeout=10)
             import gc
 
+            import torch
+
             gc.collect()
+            if getattr(self, "_cpus0", None) is not None:
+                pin_processes([], self._cpus0)  # this process's threads only: the engine's processes are gone
+                torch.set_num_threads(self._torch_threads0)

@@ -169,6 +169,7 @@ class Trainer:
             credits=self.value_pretrained, seed_base=self.cfg.seed)
         # the trainer's weights (a resume's, not the warm start's the engine loaded), then generation starts
         self.async_engine.start(self.model if self.step or self.value_pretrained else None)
+        self._frontend_cpu_mark = self.async_engine.frontend_cpu_seconds()  # (not the engine's start-up)
 
     def _draw_problems(self, n: int):
         return self.rng.sample(self.train_set, n)

@@ -62,8 +62,11 @@ def main(argv=None) -> None:
     ap.add_argument("--proximal", default="recompute", help="comma-separated: recompute (decoupled), behaviour")
     ap.add_argument("--num-iterations", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write every run's summary here")
+    ap.add_argument("--train-args", default="", help="more `flashrl-kernels train` options for every run, e.g. "
+                    "'--trainer-cpus all'")
     a = ap.parse_args(argv)
     extra = [] if a.num_iterations is None else ["--num-iterations", str(a.num_iterations)]
+    extra += a.train_args.split()
     print(f"# {a.task}, {a.steps} updates; {cpu_name()}: {' '.join(isa_flags())}", flush=True)
     print("| mode | PPO | seed | wall s | RL s | s/step | acc start -> end | staleness mean/max | front end CPU s/step |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)

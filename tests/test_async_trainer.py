@@ -131,6 +131,32 @@ def test_config_options():
         TrainConfig(task="chain", reward="calculation")
     eng, tr = TrainConfig(max_staleness=1).split_cpus()
     assert eng and tr and (set(eng).isdisjoint(tr) or len(os.sched_getaffinity(0)) == 1)
+    with pytest.raises(ValueError, match="frontend_cpus"):
+        TrainConfig(frontend_cpus="gpu")
+
+
+def test_pin_processes_puts_frontend_threads_on_the_engine_cpus():
+    import threading
+    import time
+
+    from flashrl_kernels.trainer.async_rollout import pin_processes
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs to split")
+    tid, release = [], threading.Event()
+    t = threading.Thread(target=lambda: (tid.append(threading.get_native_id()), release.wait()))
+    t.start()
+    while not tid:
+        time.sleep(0.001)
+    try:
+        pin_processes([cpus[-1]], cpus[:-1], frozenset(tid))
+        assert os.sched_getaffinity(tid[0]) == {cpus[-1]} and os.sched_getaffinity(0) == set(cpus[:-1])
+    finally:
+        pin_processes([], cpus)  # what close() does: every thread of this process back on every CPU
+        release.set()
+        t.join()
+    assert os.sched_getaffinity(0) == set(cpus)
 
 
 # ---- the real engine on a tiny model ----

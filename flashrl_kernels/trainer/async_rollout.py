@@ -199,7 +199,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def pin_processes(engine_cpus: list[int], trainer_cpus: list[int]) -> None:
+def pin_processes(engine_cpus: list[int], trainer_cpus: list[int], frontend: frozenset[int] = frozenset()) -> None:
     """Every thread of the engine's processes (this process's descendants) on engine_cpus, every thread of this
     process on trainer_cpus; threads created later inherit their creator's CPUs. vLLM binds only its OpenMP
     workers (VLLM_CPU_OMP_THREADS_BIND); its engine core's own loop polls and would take a trainer core."""
@@ -213,7 +213,7 @@ def pin_processes(engine_cpus: list[int], trainer_cpus: list[int]) -> None:
                 pass
     for tid in _threads(os.getpid()) or [0]:
         try:
-            os.sched_setaffinity(tid, trainer_cpus)
+            os.sched_setaffinity(tid, engine_cpus if tid in frontend else trainer_cpus)
         except OSError:
             pass
 
@@ -255,6 +255,7 @@ class AsyncVLLMRollout:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.engine_cpus))
+        before = set(_threads(os.getpid()))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flashrl-async-rollout", daemon=True)
         self._thread.start()
@@ -264,7 +265,11 @@ class AsyncVLLMRollout:
         # what close() gives back to the trainer (the final evaluation then runs on every CPU)
         self._cpus0 = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         self._torch_threads0 = torch.get_num_threads()
-        pin_processes(self.engine_cpus, self.trainer_cpus)
+        # frontend_cpus "engine": the threads vLLM's front end brought into this process (our event loop, which
+        # decodes every engine step's outputs, and its sockets' I/O threads) run on the engine's CPUs instead of
+        # the trainer's (on 2 cores: no gain within noise, docs/trainer.md)
+        frontend = frozenset(set(_threads(os.getpid())) - before) if cfg.frontend_cpus == "engine" else frozenset()
+        pin_processes(self.engine_cpus, self.trainer_cpus, frontend)
         torch.set_num_threads(len(self.trainer_cpus))
         self._producer = None
 
@@ -384,6 +389,9 @@ class AsyncVLLMRollout:
         group.done += 1
         if group.done == self.G:
             self.buffer.finished(group)
+        # out of the in-flight set before the producer wakes (the task's own done-callback runs after it has
+        # looked): else the engine never counts as idle once the last request before the bound has finished
+        self._inflight.discard(asyncio.current_task())
         self._wake.set()
 
     # -- the trainer's side --

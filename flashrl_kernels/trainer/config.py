@@ -87,6 +87,7 @@ class TrainConfig:
     interrupt: str = "abort"  # at a weight update: abort and resubmit in-flight requests, or keep their KV
     engine_cpus: str = "auto"  # async: CPUs of the engine process ("1", "2,3", "4-7"); auto: half of them
     trainer_cpus: str = "auto"  # async: CPUs of the trainer; auto: the others; "all": every CPU (shared)
+    frontend_cpus: str = "trainer"  # async: where vLLM's front-end threads in this process run ("engine": its CPUs)
     proximal: str = "recompute"  # decoupled PPO (ratio vs the trainer's recompute); behaviour: naive PPO
     # algorithm: grpo (group advantages; GSPO via level) or value-based ppo / vapo (a critic and GAE)
     algo: str = "grpo"
@@ -171,6 +172,7 @@ class TrainConfig:
         choice("reward", REWARD_NAMES)
         choice("task", TASKS)
         choice("rollout_mode", ROLLOUT_MODES)
+        choice("frontend_cpus", ("engine", "trainer"))
         choice("interrupt", INTERRUPTS)
         choice("proximal", PROXIMALS)
         for name in ("steps", "prompts_per_step", "group_size", "num_iterations", "minibatches", "eval_every",

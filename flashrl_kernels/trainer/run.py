@@ -149,8 +149,8 @@ def _train(trainer, cfg: TrainConfig, resume, progress, say, log_path: str, t_st
     say(f"rollout mode: {rollout_mode_desc(cfg, trainer)}")
     if cfg.is_async and len({*trainer.async_engine.engine_cpus, *trainer.async_engine.trainer_cpus}) < 4:
         say("note: the asynchronous mode splits these few CPUs between the engine and the trainer, while the "
-            "synchronous loop gives each phase all of them; on 2 CPUs it measured 0.97-1.10x the synchronous "
-            "loop's speed on the chain task and 0.7-0.8x on the demo task (bench/RESULTS.md)")
+            "synchronous loop gives each phase all of them; on 2 CPUs it measured 0.89-1.10x the synchronous "
+            "loop's speed on the chain task and 0.66-0.79x on the demo task (bench/RESULTS.md)")
     if cfg.value_based:
         alpha = cfg.resolved("lam_alpha")
         lam = f"length-adaptive lambda (alpha {alpha})" if alpha > 0 else f"lambda {cfg.resolved('lam')}"

@@ -200,9 +200,10 @@ def _descendants(pid: int) -> list[int]:
 
 
 def pin_processes(engine_cpus: list[int], trainer_cpus: list[int], frontend: frozenset[int] = frozenset()) -> None:
-    """Every thread of the engine's processes (this process's descendants) on engine_cpus, every thread of this
-    process on trainer_cpus; threads created later inherit their creator's CPUs. vLLM binds only its OpenMP
-    workers (VLLM_CPU_OMP_THREADS_BIND); its engine core's own loop polls and would take a trainer core."""
+    """Every thread of the engine's processes (this process's descendants; none when engine_cpus is empty) on
+    engine_cpus, every thread of this process on trainer_cpus except the `frontend` thread ids, which join the
+    engine's; threads created later inherit their creator's CPUs. vLLM binds only its OpenMP workers
+    (VLLM_CPU_OMP_THREADS_BIND); its engine core's own loop polls and would take a trainer core."""
     if not hasattr(os, "sched_setaffinity"):
         return
     for pid in _descendants(os.getpid()) if engine_cpus else []:
@@ -507,7 +508,7 @@ class AsyncVLLMRollout:
 
             import torch
 
-            gc.collect()
+            gc.collect()  # the engine's objects now, not at interpreter exit
             if getattr(self, "_cpus0", None) is not None:
                 pin_processes([], self._cpus0)  # this process's threads only: the engine's processes are gone
                 torch.set_num_threads(self._torch_threads0)

@@ -46,6 +46,7 @@ def _cmd_info(args) -> int:
             print(f"  {op:<22} runs on {chosen}")
         if dev.type == "cpu":
             print(f"  {_quantized_linear_line()}")
+            print(f"  {_bf16_activation_line()}")
             from flashrl_kernels import _cpu_gemm
 
             for dt in (torch.bfloat16, torch.float16):
@@ -75,6 +76,24 @@ def _quantized_linear_line() -> str:
     if caps["w8a8_vnni"]:
         return "INT8 W8A8 linear: plain-layout VNNI kernel (FLASHRL_NATIVE_PACKED=0)"
     return "INT8 linear: weight-only (no AVX-512 VNNI)"
+
+
+def _bf16_activation_line() -> str:
+    """Which driver the weight-only FP8 / INT8 layers and the bf16 LM head run for bf16 tokens (docs/native.md)."""
+    from flashrl_kernels import _backend
+
+    if not _backend.native_built():
+        return "FP8 / bf16-head linear: native library not built"
+    from flashrl_kernels.native.quantize import qlinear_capabilities
+
+    caps = qlinear_capabilities()
+    if not caps["vector"]:
+        return "FP8 / bf16-head linear: portable build (ATen)"
+    kernel = "vdpbf16ps tiles" if caps["bf16_dot"] else "fp32 FMA tiles (no AVX-512 BF16)"
+    if caps["bf16_brgemm_min_m"]:
+        unit = "AMX-BF16 tiles" if caps["amx_bf16"] else "AVX-512 BF16"
+        kernel += f"; oneDNN brgemm ({unit}) from {caps['bf16_brgemm_min_m']} tokens"
+    return f"FP8 / bf16-head linear: {kernel}"
 
 
 def _standalone_module(name: str):

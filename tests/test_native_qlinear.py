@@ -193,6 +193,62 @@ def test_bf16_linear_vs_float64(m, n, k):
         torch.ops.flashrl_native.bf16_linear(x.float(), w, None)
 
 
+_BRGEMM_ROWS_SCRIPT = r"""
+import sys, torch
+import flashrl_kernels as fk
+from flashrl_kernels.native.quantize import qlinear_capabilities
+assert qlinear_capabilities()["bf16_brgemm_min_m"] == 1, qlinear_capabilities()
+g = torch.Generator().manual_seed(21)
+cases = []
+# N off the 64-row blocks, M off the 64-token blocks and the 16-row groups of the epilogue, K off 32; an odd K
+# (no VNNI pairs) stays on the tiles
+for m, n, k in [(1, 70, 34), (15, 129, 130), (16, 64, 64), (63, 200, 96), (65, 131, 258), (130, 17, 1000), (20, 9, 33)]:
+    x, bias = (torch.randn(m, k, generator=g) * 2).bfloat16(), torch.randn(n, generator=g)
+    w = torch.randn(n, k + 3, generator=g).bfloat16()[:, 1:k + 1]  # strided rows: the head's rows are A in place
+    for b in (None, bias):
+        cases.append(("bf16", x, w, None, b, torch.ops.flashrl_native.bf16_linear(x, w, b)))
+        for qd in (torch.int8, torch.float8_e4m3fn):
+            q, s = fk.quantize_rows(w.float(), qd)
+            cases.append((str(qd), x, q, s, b, torch.ops.flashrl_native.qlinear(x, q, s, b, False)))
+# an in-place write into the rows is seen by the next call (nothing of the weight is packed)
+q, s = fk.quantize_rows(torch.randn(96, 128, generator=g), torch.float8_e4m3fn)
+x = torch.randn(40, 128, generator=g).bfloat16()
+before = torch.ops.flashrl_native.qlinear(x, q, s, None, False)
+fk.quantize_rows_(torch.randn(96, 128, generator=g) * 3, q, s)
+cases.append(("synced", x, q, s, None, torch.ops.flashrl_native.qlinear(x, q, s, None, False)))
+assert not torch.equal(before, cases[-1][-1])
+torch.save(cases, sys.argv[1])
+"""
+
+
+def test_brgemm_rows_driver_vs_float64(tmp_path):
+    """oneDNN's bf16 brgemm with the weight rows as its A operand (AMX-BF16 tiles on AMX CPUs, AVX-512 BF16 code
+    here): forced for every M in a fresh process, each output checked against float64 and against the tiles."""
+    import os
+    import subprocess
+    import sys
+
+    if not _caps()["bf16_dot"]:
+        pytest.skip("no AVX-512 BF16 on this CPU: oneDNN's bf16 brgemm is not used here")
+    out = tmp_path / "brgemm_rows.pt"
+    env = {**os.environ, "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1"}
+    r = subprocess.run([sys.executable, "-c", _BRGEMM_ROWS_SCRIPT, str(out)], check=False, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cases = torch.load(out)
+    assert len(cases) == 7 * 2 * 3 + 1
+    for kind, x, w, s, b, y in cases:
+        if kind == "bf16":
+            ref = x.double() @ w.double().T + (0 if b is None else b.double())
+            tiles = torch.ops.flashrl_native.bf16_linear(x, w, b)
+        else:
+            ref = scaled_linear_spec(x, w, s, b, False)
+            tiles = torch.ops.flashrl_native.qlinear(x, w, s, b, False)
+        _check(y, ref, torch.bfloat16)
+        # fp32 sums in another order: the two drivers agree to a bf16 rounding of the output
+        assert (y.double() - tiles.double()).abs().max() <= 8e-3 * ref.abs().max(), (kind, x.shape, w.shape)
+
+
 def test_direct_ops_follow_the_backend_choice():
     """direct_scaled_linear / direct_bf16_linear hand out the native op only where the native backend runs it."""
     from flashrl_kernels.ops.quantize import direct_bf16_linear, direct_scaled_linear
@@ -229,6 +285,7 @@ from flashrl_kernels.native.quantize import qlinear_capabilities
 from flashrl_kernels.reference.quantize import scaled_linear_spec
 caps = qlinear_capabilities()
 assert not caps["w8a8_vnni"] and not caps["bf16_dot"], caps
+assert caps["bf16_brgemm_min_m"] == 0 or caps["amx_bf16"], caps  # oneDNN's bf16 brgemm needs AVX-512 BF16 or AMX
 g = torch.Generator().manual_seed(3)
 x, w, b = torch.randn(6, 97, generator=g).bfloat16(), torch.randn(11, 97, generator=g).bfloat16(), torch.randn(11)
 ref = x.double() @ w.double().T + b.double()
@@ -259,3 +316,36 @@ def test_avx512_fallbacks_without_bf16_and_vnni():
     env = {**os.environ, "FLASHRL_NATIVE_CPU_DISABLE": "avx512bf16,avx512vnni"}
     r = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path):
+    """bench/cpu_linear_dispatch.py (how a session sets the brgemm thresholds of a CPU class): a tiny real run,
+    and its threshold rule."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import cpu_linear_dispatch as bench
+    finally:
+        sys.path.pop(0)
+    assert bench.threshold([1, 8, 32, 256], {1: 1.5, 8: 0.9, 32: 0.8, 256: 0.7}) == 8
+    assert bench.threshold([1, 8, 32, 256], {1: 0.5, 8: 1.1, 32: 0.8, 256: 0.7}) == 32  # won at every larger M
+    assert bench.threshold([1, 8], {1: 0.9, 8: 1.0}) == 0
+    if not (_caps()["bf16_dot"] and _caps()["w8a8_vnni"]):
+        pytest.skip("no AVX-512 VNNI / BF16 here: the tiles are the only drivers")
+    out = tmp_path / "dispatch.json"
+    r = subprocess.run([sys.executable, str(root / "bench" / "cpu_linear_dispatch.py"), "--layers", "1", "--vocab",
+                        "256", "--m", "3,20", "--rounds", "1", "--repeats", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ), check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    for driver in ("tiles", "brgemm"):
+        (run,) = res["raw"][driver]
+        assert all(run[m][k] > 0 for m in ("3", "20") for k in ("int8", "fp8", "head"))
+    assert set(res["summary"]) == {"int8", "fp8", "head"}
+    assert "| head | 20 |" in r.stdout

@@ -6,6 +6,7 @@
 // FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni,amx hides extensions (to test and time the fallbacks).
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -20,17 +21,28 @@ inline bool cpu_feature_disabled(const char* what) {
   return off && std::strstr(off, what);
 }
 
-// "avx512bf16", "avx512vnni" or "amx" (AMX-TILE and AMX-INT8)
+// a non-negative integer from the environment, or fallback when unset or not one
+inline int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long r = std::strtoll(v, &end, 10);
+  return (end && *end == '\0' && r >= 0) ? static_cast<int64_t>(r) : fallback;
+}
+
+// "avx512bf16", "avx512vnni", "amx" (AMX-TILE and AMX-INT8) or "amx_bf16" (AMX-TILE and AMX-BF16)
 inline bool cpu_has(const char* what) {
-  if (cpu_feature_disabled(what)) return false;
+  if (cpu_feature_disabled(std::strcmp(what, "amx_bf16") == 0 ? "amx" : what)) return false;  // "amx": all AMX
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   if (std::strcmp(what, "avx512bf16") == 0) return __builtin_cpu_supports("avx512bf16");
   if (std::strcmp(what, "avx512vnni") == 0) return __builtin_cpu_supports("avx512vnni");
-  if (std::strcmp(what, "amx") == 0) {
+  const bool amx_int8 = std::strcmp(what, "amx") == 0, amx_bf16 = std::strcmp(what, "amx_bf16") == 0;
+  if (amx_int8 || amx_bf16) {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    return (d >> 24 & 1u) && (d >> 25 & 1u);  // CPUID.(7,0):EDX AMX-TILE, AMX-INT8
+    // CPUID.(7,0):EDX bit 24 AMX-TILE, 25 AMX-INT8, 22 AMX-BF16
+    return (d >> 24 & 1u) && (d >> (amx_int8 ? 25 : 22) & 1u);
   }
 #endif
   return false;

@@ -29,11 +29,17 @@
 // is vector code; AVX2 / portable tiles are up to 4 x 2 with a scalar epilogue. See docs/native.md.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if __has_include(<ATen/cpu/Utils.h>)
+#include <ATen/cpu/Utils.h>
+#define FLASHRL_HAS_INIT_AMX 1
+#endif
 
 #include "cpu_features.h"
 #include "token_quant.h"
@@ -45,6 +51,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -66,6 +73,12 @@ constexpr float kZeroRowAmax = 0x1p-100f;
 // at every distance from 2 to 16 blocks; 4 blocks is ~14 KiB ahead at K = 896, ~78 KiB at K = 4864.
 constexpr int64_t kPrefetchBlocks = 4;
 constexpr int64_t kPrefetchTiles = 3;  // token tiles of a row block that prefetch (see drive512)
+// tokens from which bf16-activation calls run oneDNN's brgemm (drive_brgemm_rows), by CPU class (docs/native.md):
+// AMX-BF16 from 8 (a prediction: 8 tokens use half of a tile's 16 columns, still several times the MACs per cycle
+// of vdpbf16ps; not yet measured on an AMX machine); AVX-512 BF16 without AMX never (measured on an Emerald Rapids
+// VM with AMX hidden: 1.5-2.2x slower at 8 tokens, where a 16-lane vector holds 8 tokens; even from 16 to 256)
+constexpr int64_t kBrgemmBf16MinMAmx = 8;
+constexpr int64_t kBrgemmBf16MinMNoAmx = 0;
 
 
 template <typename T>
@@ -693,6 +706,170 @@ FLASHRL_BF16_TARGET void drive_decode_bf16(int64_t M, int64_t N, int64_t K, cons
   });
 }
 
+// ------------------------------------------------------------------ weight rows x packed tokens, oneDNN brgemm
+// y^T = W x^T with the weight rows as brgemm's A operand (plain rows, read where they are: the bf16 LM head; or
+// int8 / fp8 rows widened to bf16 into a per-thread scratch, once per row block and token chunk) and the tokens
+// as its VNNI-2 B operand, packed once per call. Nothing of the weight is prepacked, so in-place syncs are seen.
+// On AMX-BF16 CPUs oneDNN runs tdpbf16ps tiles (16 x 32 bf16 per instruction); elsewhere its AVX-512 BF16 code.
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+#define FLASHRL_HAS_BF16_BRGEMM 1
+constexpr int64_t kBrgRows = 64;  // weight rows per brgemm call
+constexpr int64_t kBrgMaxTokens = 64;  // tokens per brgemm call (the packed block's ld_b, also C's ld)
+constexpr int64_t kBrgChunkBytes = int64_t{512} << 10;  // packed tokens per pass over the weight (stay in L2)
+
+// tokens per packed block: 16, 32, 48 or 64 (whole AMX tile columns), so decode sizes pack no 64-wide blocks
+inline int64_t brgemm_token_block(int64_t M) { return std::min(kBrgMaxTokens, (M + 15) / 16 * 16); }
+
+// x [M, K] bf16 rows (K even) -> [ceil(M / tb)][K / 2][tb] pairs of k (VNNI-2). The columns past M are left
+// unwritten: brgemm is called with N = the valid tokens, and a column of C depends on its own column of B only.
+std::unique_ptr<uint32_t[]> pack_tokens_vnni2(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K,
+                                              int64_t tb) {
+  const int64_t kp = K / 2, nblk = (M + tb - 1) / tb;
+  std::unique_ptr<uint32_t[]> out(new uint32_t[static_cast<size_t>(nblk * kp * tb)]);
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t tn = std::min(tb, M - b * tb);
+      uint32_t* blk = out.get() + b * kp * tb;
+      // 16 pairs of every token at a time: their destination lines stay in L1 while they fill
+      for (int64_t p0 = 0; p0 < kp; p0 += 16) {
+        const int64_t pn = std::min<int64_t>(16, kp - p0);
+        for (int64_t t = 0; t < tn; ++t) {
+          const c10::BFloat16* src = x + (b * tb + t) * ldx + 2 * p0;
+          uint32_t* dst = blk + p0 * tb + t;
+          for (int64_t p = 0; p < pn; ++p) std::memcpy(dst + p * tb, src + 2 * p, 4);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// 16 x 16 fp32 transpose in registers: v[r] lane c -> v[c] lane r
+inline void transpose16(__m512* v) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4 g + j], 128-bit lane L: rows 4 g .. 4 g + 3 of column 4 L + j
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 s0 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 s1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 s2 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 s3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    v[j] = _mm512_shuffle_f32x4(s0, s1, _MM_SHUFFLE(2, 0, 2, 0));
+    v[4 + j] = _mm512_shuffle_f32x4(s0, s1, _MM_SHUFFLE(3, 1, 3, 1));
+    v[8 + j] = _mm512_shuffle_f32x4(s2, s3, _MM_SHUFFLE(2, 0, 2, 0));
+    v[12 + j] = _mm512_shuffle_f32x4(s2, s3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// y[m0 + t, n0 + r] = c[r, t] * scale[n0 + r] + bias[n0 + r] for r < nn, t < mm (c: [64 rows][ldc] fp32, ldc a
+// multiple of 16), with store_tile's roundings (product, then one addition)
+inline void store_transposed(const float* c, int64_t ldc, int64_t nn, int64_t mm, const float* scale,
+                             const float* bias, int64_t n0, int64_t m0, c10::BFloat16* y, int64_t ldy) {
+  for (int64_t r0 = 0; r0 < nn; r0 += 16) {
+    const int64_t rn = std::min<int64_t>(16, nn - r0);
+    const __mmask16 rmask = static_cast<__mmask16>((1u << rn) - 1);
+    for (int64_t t0 = 0; t0 < mm; t0 += 16) {
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) {
+        if (i >= rn) {
+          v[i] = _mm512_setzero_ps();
+          continue;
+        }
+        const int64_t n = n0 + r0 + i;
+        v[i] = _mm512_loadu_ps(c + (r0 + i) * ldc + t0);
+        if (scale) v[i] = _mm512_mul_ps(v[i], _mm512_set1_ps(scale[n]));
+        if (bias) v[i] = _mm512_add_ps(v[i], _mm512_set1_ps(bias[n]));
+      }
+      transpose16(v);
+      const int64_t tn = std::min<int64_t>(16, mm - t0);
+      for (int64_t t = 0; t < tn; ++t)
+        _mm256_mask_storeu_epi16(y + (m0 + t0 + t) * ldy + n0 + r0, rmask, at::vec::cvtfp32_bf16(v[t]));
+    }
+  }
+}
+
+// y = x @ (w * scale).T + bias for bf16 x [M, K] (K even); Q = bf16: w's rows are A in place; int8 / fp8: the rows
+// are widened (times kVecWeightFactor, which the caller's scale undoes) into a scratch per row block
+template <typename Q>
+FLASHRL_BF16_TARGET void drive_brgemm_rows(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx,
+                                           const Q* w, int64_t ldw, const float* scale, const float* bias,
+                                           c10::BFloat16* y) {
+  constexpr bool kInPlace = std::is_same_v<Q, c10::BFloat16>;
+  const int64_t tb = brgemm_token_block(M);
+  const std::unique_ptr<uint32_t[]> packed = pack_tokens_vnni2(x, ldx, M, K, tb);
+  const auto* b_base = reinterpret_cast<const at::BFloat16*>(packed.get());
+  const int64_t kp = K / 2, tblocks = (M + tb - 1) / tb, rblocks = (N + kBrgRows - 1) / kBrgRows;
+  const int64_t chunk = std::max<int64_t>(1, kBrgChunkBytes / (K * 2 * tb));  // token blocks per pass
+  const int64_t lds = (K + 31) / 32 * 32;  // scratch rows start on cache lines
+  for (int64_t tc = 0; tc < tblocks; tc += chunk) {
+    const int64_t tc1 = std::min(tblocks, tc + chunk);
+    // a thread owns a contiguous run of row blocks: one linear stream of weight bytes
+    at::parallel_for(0, rblocks, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<c10::BFloat16> scratch(kInPlace ? 0 : static_cast<size_t>(kBrgRows * lds + 32));
+      c10::BFloat16* rows = reinterpret_cast<c10::BFloat16*>(
+          (reinterpret_cast<std::uintptr_t>(scratch.data()) + 63) / 64 * 64);
+      alignas(64) float c[kBrgRows * kBrgMaxTokens] = {};  // the epilogue loads whole 16-token rows
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kBrgRows, nn = std::min(kBrgRows, N - n0);
+        const c10::BFloat16* a;
+        int64_t lda;
+        if constexpr (kInPlace) {
+          a = w + n0 * ldw;
+          lda = ldw;
+        } else {
+          const int64_t pf = b + 1 < b1 ? kBrgRows * ldw * int64_t{sizeof(Q)} : 0;  // the next block's rows
+          for (int64_t j = 0; j < nn; ++j) widen_row_bf16(w + (n0 + j) * ldw, K, rows + j * lds, pf);
+          a = rows;
+          lda = lds;
+        }
+        for (int64_t t = tc; t < tc1; ++t) {
+          const int64_t m0 = t * tb, mm = std::min(tb, M - m0);
+          at::native::cpublas::brgemm(nn, mm, K, lda, tb, tb, false, reinterpret_cast<const at::BFloat16*>(a),
+                                      b_base + t * kp * tb * 2, c, true);
+          store_transposed(c, tb, nn, mm, scale, bias, n0, m0, y, N);
+        }
+      }
+      at::native::cpublas::brgemm_release(true);
+    });
+  }
+}
+#endif
+
+// tokens from which a bf16-activation call runs drive_brgemm_rows (0: never); see docs/native.md
+struct BrgemmBf16Config {
+  bool amx_bf16 = false;  // AMX-TILE + AMX-BF16, and Linux granted this process the tile state
+  int64_t min_m = 0;
+};
+const BrgemmBf16Config& brgemm_bf16_config() {
+  static const BrgemmBf16Config c = [] {
+    BrgemmBf16Config r;
+#if defined(FLASHRL_HAS_BF16_BRGEMM)
+#if defined(FLASHRL_HAS_INIT_AMX)
+    r.amx_bf16 = cpu_has("amx_bf16") && at::cpu::init_amx();
+#endif
+    const int64_t fallback = r.amx_bf16 ? kBrgemmBf16MinMAmx : kHasBf16 ? kBrgemmBf16MinMNoAmx : 0;
+    r.min_m = kHasBf16 || r.amx_bf16 ? env_int("FLASHRL_NATIVE_BF16_BRGEMM_MIN_M", fallback) : 0;
+#endif
+    return r;
+  }();
+  return c;
+}
+
+inline bool use_brgemm_rows(int64_t M, int64_t K) {
+  const int64_t min_m = brgemm_bf16_config().min_m;
+  return min_m > 0 && M >= min_m && K % 2 == 0;
+}
+
 template <typename Out>
 void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, const float* bias, bool act_quant,
                 at::Tensor& y) {
@@ -718,6 +895,12 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
     std::vector<float> sc(scale, scale + N);
     for (float& v : sc) v /= kVecWeightFactor<Q>;
     if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+#if defined(FLASHRL_HAS_BF16_BRGEMM)
+      if (use_brgemm_rows(M, K)) {
+        drive_brgemm_rows<Q>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), w, ldw, sc.data(), bias, yp);
+        return;
+      }
+#endif
       if (kHasBf16 && M <= 8) {  // decode: rows widened in registers (drive_decode_bf16)
         drive_decode_bf16<Q>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), w, ldw, sc.data(), bias, yp);
         return;
@@ -832,6 +1015,13 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   const c10::BFloat16* wp = w.const_data_ptr<c10::BFloat16>();
 #if defined(CPU_CAPABILITY_AVX512)
+#if defined(FLASHRL_HAS_BF16_BRGEMM)
+  if (use_brgemm_rows(M, K)) {
+    drive_brgemm_rows<c10::BFloat16>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), wp, w.stride(0), nullptr,
+                                     bp, y.data_ptr<c10::BFloat16>());
+    return y;
+  }
+#endif
   if (kHasBf16) {
     const StoredRows<c10::BFloat16> rows{wp, w.stride(0)};
     drive512<c10::BFloat16, c10::BFloat16, c10::BFloat16>(
@@ -858,14 +1048,20 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   return y;
 }
 
-// which fast paths this build and CPU have: [vnni w8a8, bf16 dot products, vector weight-only]
+// which fast paths this build and CPU have: [vnni w8a8, bf16 dot products, vector weight-only, AMX-BF16 granted,
+// tokens from which bf16-activation calls run oneDNN brgemm (0: never)]
 std::vector<int64_t> qlinear_caps() {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr int64_t vec = 1;
 #else
   constexpr int64_t vec = 0;
 #endif
-  return {int64_t{kHasVnni}, int64_t{kHasBf16}, vec};
+#if defined(CPU_CAPABILITY_AVX512)
+  const BrgemmBf16Config& b = brgemm_bf16_config();
+  return {int64_t{kHasVnni}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m};
+#else
+  return {int64_t{kHasVnni}, int64_t{kHasBf16}, vec, 0, 0};
+#endif
 }
 
 }  // namespace

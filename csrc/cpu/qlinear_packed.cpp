@@ -65,14 +65,6 @@ struct PackedConfig {
   int64_t brgemm_min_m = 0;  // 0: never
 };
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  const long long r = std::strtoll(v, &end, 10);
-  return (end && *end == '\0' && r >= 0) ? static_cast<int64_t>(r) : fallback;
-}
-
 const PackedConfig& config() {
   static const PackedConfig c = [] {
     PackedConfig r;

@@ -1,0 +1,166 @@
+"""Where the native CPU linears should switch from their tiles to oneDNN's brgemm, measured on this CPU.
+
+    python bench/cpu_linear_dispatch.py                        # M = 1 4 8 16 32 64 512, 3 rounds
+    python bench/cpu_linear_dispatch.py --m 8,32 --rounds 5 --json dispatch.json
+    python bench/cpu_linear_dispatch.py --layers 4             # scaled down (fewer layers, same shapes)
+    python bench/cpu_linear_dispatch.py --vocab 32000          # another LM head size
+
+Times the linears of one forward of Qwen2.5-0.5B's shapes (--layers x qkv 1152 x 896, o 896 x 896,
+gate_up 9728 x 896, down 896 x 4864; and the 151936 x 896 LM head) for M tokens, as the rollout engines
+run them:
+  int8   flashrl_int8's layers: the VNNI-packed W8A8 kernel, tiles vs oneDNN's u8 x s8 brgemm
+         (FLASHRL_NATIVE_BRGEMM_MIN_M; AMX-INT8 tiles on AMX CPUs)
+  fp8    flashrl_fp8's layers: weight-only, bf16 tokens, tiles vs brgemm on rows widened to bf16
+         (FLASHRL_NATIVE_BF16_BRGEMM_MIN_M; AMX-BF16 tiles on AMX CPUs)
+  head   the bf16 LM head of both engines (the same switch as fp8, the rows read in place)
+The thresholds are read once per process, so each driver runs in its own fresh process, the two
+alternated round by round; every number is the median of --repeats calls of the whole set. Prints, per
+kernel and M, the medians, brgemm's time over the tiles' in each round, and the smallest M from which
+brgemm won at every larger M measured: the default to set for this CPU class (docs/native.md, "Dispatch").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down (out, in)
+HIDDEN = 896
+KERNELS = ("int8", "fp8", "head")
+DRIVERS = {"tiles": "0", "brgemm": "1"}  # both thresholds, per process
+
+
+def _child(ms: list[int], layers: int, vocab: int, repeats: int) -> dict:
+    import torch
+
+    from flashrl_kernels import _native
+
+    _native.native_status(load=True)
+    from flashrl_kernels.native.quantize import (
+        _quantize_rows,
+        packed_w8a8_capabilities,
+        qlinear_capabilities,
+        quantize_rows_packed_,
+    )
+
+    torch.manual_seed(0)
+    int8, fp8 = [], []
+    for n, k in SHAPES * layers:
+        w = torch.empty(n, k).normal_(0, 0.05)
+        q, s, c = torch.empty(n, k, dtype=torch.int8), torch.empty(n), torch.empty(n, dtype=torch.int32)
+        quantize_rows_packed_(w, q, s, c, 0)
+        int8.append((q, s, c))
+        fp8.append(_quantize_rows(w, torch.float8_e4m3fn))
+    head = torch.empty(vocab, HIDDEN).normal_(0, 0.05).bfloat16()
+    # what this process runs: the parent checks that the two drivers really differ
+    out = {"caps": {"int8": packed_w8a8_capabilities()["brgemm_min_m"],
+                    "bf16": qlinear_capabilities()["bf16_brgemm_min_m"]}}
+    for m in ms:
+        xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES} | {HIDDEN}}
+        runs = {
+            "int8": lambda xs=xs: [torch.ops.flashrl_native.qlinear_packed(xs[q.shape[1]], q, s, c, None)
+                                   for q, s, c in int8],
+            "fp8": lambda xs=xs: [torch.ops.flashrl_native.qlinear(xs[q.shape[1]], q, s, None, False) for q, s in fp8],
+            "head": lambda xs=xs: torch.ops.flashrl_native.bf16_linear(xs[HIDDEN], head, None),
+        }
+        res = {}
+        for name, fn in runs.items():
+            fn()  # warm: brgemm kernels are generated on first use
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            res[name] = statistics.median(ts) * 1e3
+        out[str(m)] = res
+    return out
+
+
+def _run_child(driver: str, ms: list[int], layers: int, vocab: int, repeats: int) -> dict:
+    env = {**os.environ, "FLASHRL_NATIVE_BRGEMM_MIN_M": DRIVERS[driver],
+           "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": DRIVERS[driver]}
+    cmd = [sys.executable, __file__, "--child", "--m", ",".join(map(str, ms)), "--layers", str(layers),
+           "--vocab", str(vocab), "--repeats", str(repeats)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"{driver} run failed:\n{r.stdout[-2000:]}{r.stderr[-4000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    want = 1 if driver == "brgemm" else 0
+    if out.pop("caps") != {"int8": want, "bf16": want}:
+        raise SystemExit(f"the {driver} process did not run the {driver} driver (thresholds ignored on this CPU?)")
+    return out
+
+
+def threshold(ms: list[int], ratios: dict[int, float]) -> int:
+    """The smallest M from which brgemm (ratio < 1: less time) won at every larger M; 0 when it never did."""
+    best = 0
+    for m in sorted(ms, reverse=True):
+        if ratios[m] >= 1.0:
+            break
+        best = m
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", default="1,4,8,16,32,64,512", help="token counts (comma list)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--vocab", type=int, default=151936, help="LM head rows (hidden size 896)")
+    ap.add_argument("--json", help="write the raw times here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    ms = sorted({int(v) for v in args.m.split(",") if v.strip()})
+    if args.child:
+        print(json.dumps(_child(ms, args.layers, args.vocab, args.repeats)))
+        return 0
+
+    from flashrl_kernels._cpu import cpu_name, isa_flags
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities, qlinear_capabilities
+
+    print(f"CPU: {cpu_name()}; flags: {' '.join(isa_flags())}; threads: {os.cpu_count()}")
+    print(f"defaults here: int8 brgemm from {packed_w8a8_capabilities()['brgemm_min_m'] or 'never'}, "
+          f"bf16 brgemm from {qlinear_capabilities()['bf16_brgemm_min_m'] or 'never'}")
+    if not packed_w8a8_capabilities()["vnni"] or not qlinear_capabilities()["bf16_dot"]:
+        print("this CPU lacks AVX-512 VNNI / BF16: the tiles are the only drivers here")
+        return 0
+    raw = {d: [] for d in DRIVERS}
+    for r in range(args.rounds):
+        for d in DRIVERS:  # alternated: a slow phase of the machine hits both drivers
+            t0 = time.perf_counter()
+            raw[d].append(_run_child(d, ms, args.layers, args.vocab, args.repeats))
+            print(f"round {r + 1}/{args.rounds} {d}: {time.perf_counter() - t0:.0f} s", flush=True)
+    summary = {}
+    print(f"\n{args.layers} layers + {args.vocab} x {HIDDEN} head; ms per call of the set, median over {args.rounds} rounds; "
+          "brgemm / tiles per round (< 1: brgemm faster)")
+    print("| kernel | M | tiles ms | brgemm ms | brgemm / tiles per round |")
+    print("|---|---|---|---|---|")
+    for k in KERNELS:
+        ratios = {}
+        for m in ms:
+            t = [run[str(m)][k] for run in raw["tiles"]]
+            b = [run[str(m)][k] for run in raw["brgemm"]]
+            per = [bb / tt for tt, bb in zip(t, b)]
+            ratios[m] = statistics.median(per)
+            print(f"| {k} | {m} | {statistics.median(t):.2f} | {statistics.median(b):.2f} | "
+                  f"{' '.join(f'{p:.2f}' for p in per)} |")
+        summary[k] = {"median_ratio": ratios, "brgemm_from": threshold(ms, ratios)}
+    for k in KERNELS:
+        frm = summary[k]["brgemm_from"]
+        print(f"{k}: brgemm won from M = {frm} on" if frm else f"{k}: the tiles won (or tied) at the largest M")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "flags": isa_flags(), "layers": args.layers,
+                                               "vocab": args.vocab, "raw": raw, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -815,9 +815,10 @@ FLASHRL_BF16_TARGET void drive_brgemm_rows(int64_t M, int64_t N, int64_t K, cons
     const int64_t tc1 = std::min(tblocks, tc + chunk);
     // a thread owns a contiguous run of row blocks: one linear stream of weight bytes
     at::parallel_for(0, rblocks, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<c10::BFloat16> scratch(kInPlace ? 0 : static_cast<size_t>(kBrgRows * lds + 32));
+      // not value-initialized: every row is widened before brgemm reads it (no memset per call at decode sizes)
+      const std::unique_ptr<c10::BFloat16[]> scratch(new c10::BFloat16[kInPlace ? 0 : kBrgRows * lds + 32]);
       c10::BFloat16* rows = reinterpret_cast<c10::BFloat16*>(
-          (reinterpret_cast<std::uintptr_t>(scratch.data()) + 63) / 64 * 64);
+          (reinterpret_cast<std::uintptr_t>(scratch.get()) + 63) / 64 * 64);
       alignas(64) float c[kBrgRows * kBrgMaxTokens] = {};  // the epilogue loads whole 16-token rows
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * kBrgRows, nn = std::min(kBrgRows, N - n0);

@@ -20,6 +20,8 @@
 //                              (drive_decode_bf16), larger M once per block of 4 rows into a per-thread scratch.
 //   weight-only otherwise:     weights widened to fp32, FMA into fp32 accumulators (AVX-512 or AVX2).
 //   bf16_linear:               the same bf16 tiles on a plain bf16 weight's own rows (a model-dtype LM head).
+//   bf16 x from FLASHRL_NATIVE_BF16_BRGEMM_MIN_M tokens (default: 8 on AMX-BF16 CPUs, never elsewhere), weight-only
+//   and bf16_linear alike: oneDNN's bf16 brgemm with the rows as its A operand (drive_brgemm_rows).
 //   DEFAULT (portable) builds: scalar loops (the Python side prefers ATen there).
 // FP8 e4m3fn widens to value * 2^-8 (the 2^8 goes into the row scale): to fp32 through fp16 (its bits shifted
 // into an fp16, subnormals included, which vcvtph2ps converts exactly), to bf16 by a 128-entry table held in

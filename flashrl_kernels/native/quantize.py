@@ -9,6 +9,8 @@
   * activation_quant with int8 weights on an AVX-512 VNNI CPU: dynamic per-token W8A8
     with integer dot products (vpdpbusd);
   * otherwise weight-only: bf16 dot products (AVX-512 BF16) or fp32 FMAs (AVX-512 / AVX2);
+    bf16 tokens from qlinear_capabilities()['bf16_brgemm_min_m'] on (AMX-BF16 CPUs) go through
+    oneDNN's bf16 brgemm on the same rows, widened per block (also the bf16 head's bf16_linear);
     activation_quant elsewhere is the exact emulation (quantize, dequantize to fp32, then
     the weight-only kernel).
   Portable (DEFAULT) builds and unusual layouts use ATen's dequantize-and-GEMM, shared with

@@ -121,7 +121,7 @@ def loss_and_grads(trainer, inputs):
     return loss.detach(), grads, metrics
 
 
-def assert_same(ref, got, loss_tol=1e-5, grad_tol=1e-5):
+def assert_same(ref, got, loss_tol=1e-5, grad_tol=1e-5, metric_tol=1e-4):
     (l0, g0, m0), (l1, g1, m1) = ref, got
     assert torch.isfinite(l0) and l0 != 0
     assert abs(l1.item() - l0.item()) <= 1e-6 + loss_tol * abs(l0.item()), (l0.item(), l1.item())
@@ -132,7 +132,7 @@ def assert_same(ref, got, loss_tol=1e-5, grad_tol=1e-5):
         assert err <= grad_tol * scale + 1e-8, (name, err, scale)
     assert m0.keys() == m1.keys(), (m0.keys(), m1.keys())
     for k in m0:
-        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6, nan_ok=True), (k, m0[k], m1[k])
+        assert m1[k] == pytest.approx(m0[k], rel=metric_tol, abs=1e-6, nan_ok=True), (k, m0[k], m1[k])
 
 
 # (GRPOConfig options, batch options, trainer attributes); every loss type at both importance-sampling levels,
@@ -215,7 +215,9 @@ def test_bf16_model(tiny, tmp_path):
     ref = loss_and_grads(trainer, inputs)
     fk_trl.patch()
     got = loss_and_grads(trainer, inputs)
-    assert_same(ref, got, loss_tol=2e-2, grad_tol=5e-2)
+    # the logged metrics (kl, entropy, clip ratios) carry the same bf16 rounding as the loss: 1e-3 relative
+    # on kl was seen on a CI machine, so they share the loss's tolerance
+    assert_same(ref, got, loss_tol=2e-2, grad_tol=5e-2, metric_tol=2e-2)
 
 
 @needs_supported

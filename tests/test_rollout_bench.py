@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from flashrl_kernels import cli
 from flashrl_kernels.benchmarks import harness
@@ -122,9 +123,16 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
             assert r["of_bound"] == pytest.approx(r["tokens_per_s"] / r["bound_tokens_per_s"])
         else:
             assert r["bound_tokens_per_s"] is None and r["of_bound"] is None
-    # vLLM's W8A8 engine holds the very int8 codes and scales flashrl_int8 computes: errors of one size
+    # vLLM's W8A8 engine holds the very int8 codes and scales flashrl_int8 computes: errors of one size where
+    # flashrl_int8 runs W8A8 too; where its "auto" mode is weight-only (no native W8A8 kernel on this CPU, e.g.
+    # AVX-512 without VNNI) it skips the activation rounding, so its error is the smaller
+    from flashrl_kernels.integrations.vllm.quant import use_activation_quant
+
     err = {r["engine"]: r["mean_abs_dlogp"] for r in rows if r["case"] == "decode8"}
-    assert 0.5 < err["vllm_w8a8"] / err["flashrl_int8"] < 2.0, err
+    if use_activation_quant("auto", torch.zeros(64, 64, dtype=torch.int8)):
+        assert 0.5 < err["vllm_w8a8"] / err["flashrl_int8"] < 2.0, err
+    else:
+        assert err["flashrl_int8"] < err["vllm_w8a8"], err
     assert "flashrl_int8" in proc.stdout and "KL est." in proc.stdout and "x vs w8a8" in proc.stdout
 
 

@@ -62,7 +62,7 @@ def _cmd_info(args) -> int:
 
 def _quantized_linear_line() -> str:
     """Which native kernel the vLLM plugin's INT8 W8A8 layers run on this CPU (docs/native.md)."""
-    from flashrl_kernels import _backend
+    from flashrl_kernels import _backend, _native
 
     if not _backend.native_built():
         return "INT8 W8A8 linear: native library not built (the torch backend's dequantize-and-GEMM)"
@@ -73,9 +73,11 @@ def _quantized_linear_line() -> str:
         brgemm = (f"oneDNN brgemm ({'AMX-INT8 tiles' if packed['amx'] else 'VNNI'}) from {packed['brgemm_min_m']} "
                   "tokens" if packed["brgemm_min_m"] else "no brgemm")
         return f"INT8 W8A8 linear: VNNI-packed weights (tiles; {brgemm})"
-    if caps["w8a8_vnni"]:
+    if caps["w8a8"] and _native.native_status().capability == "AVX2":
+        return "INT8 W8A8 linear: plain-layout AVX2 kernel (vpmaddwd)"
+    if caps["w8a8"]:
         return "INT8 W8A8 linear: plain-layout VNNI kernel (FLASHRL_NATIVE_PACKED=0)"
-    return "INT8 linear: weight-only (no AVX-512 VNNI)"
+    return "INT8 linear: weight-only (no integer dot products here: AVX-512 without VNNI, or a portable build)"
 
 
 def _bf16_activation_line() -> str:

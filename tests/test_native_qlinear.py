@@ -34,7 +34,7 @@ def _check(y, ref, xdtype):
 
 def _act_quant_cases(qdtype):
     # act_quant through the op runs natively (VNNI) for int8 where the CPU has it; elsewhere scaled_linear emulates it
-    return [False, True] if (qdtype == torch.int8 and _caps()["w8a8_vnni"]) else [False]
+    return [False, True] if (qdtype == torch.int8 and _caps()["w8a8"]) else [False]
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
@@ -66,7 +66,7 @@ def test_scaled_linear_native_backend(qdtype, activation_quant):
 
 def test_w8a8_integer_sums_are_exact():
     """Integer-valued activations whose per-token quantization is exact: the W8A8 result is the exact product."""
-    if not _caps()["w8a8_vnni"]:
+    if not _caps()["w8a8"]:
         pytest.skip("no AVX-512 VNNI on this CPU")
     g = torch.Generator().manual_seed(0)
     k = 4864
@@ -165,7 +165,7 @@ def test_bad_arguments():
 
 def test_spec_of_quantized_tokens_matches_kernel_scales():
     """The W8A8 kernel quantizes tokens with the spec: a token whose values all sit on its int8 grid is exact."""
-    if not _caps()["w8a8_vnni"]:
+    if not _caps()["w8a8"]:
         pytest.skip("no AVX-512 VNNI on this CPU")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 64, generator=g)
@@ -257,7 +257,7 @@ def test_direct_ops_follow_the_backend_choice():
     q8, _ = fk.quantize_rows(torch.randn(4, 64), torch.float8_e4m3fn)
     with fk.use_backend("native"):
         assert direct_scaled_linear(q, False) is torch.ops.flashrl_native.qlinear
-        assert (direct_scaled_linear(q, True) is torch.ops.flashrl_native.qlinear) == _caps()["w8a8_vnni"]
+        assert (direct_scaled_linear(q, True) is torch.ops.flashrl_native.qlinear) == _caps()["w8a8"]
         assert direct_scaled_linear(q8, True) is None  # fp8 W8A8 is emulated by scaled_linear
         assert (direct_bf16_linear(torch.randn(4, 64).bfloat16()) is not None) == _caps()["vector"]
         assert direct_bf16_linear(torch.randn(4, 64)) is None
@@ -284,7 +284,7 @@ import flashrl_kernels as fk
 from flashrl_kernels.native.quantize import qlinear_capabilities
 from flashrl_kernels.reference.quantize import scaled_linear_spec
 caps = qlinear_capabilities()
-assert not caps["w8a8_vnni"] and not caps["bf16_dot"], caps
+assert not caps["w8a8"] and not caps["bf16_dot"], caps
 assert caps["bf16_brgemm_min_m"] == 0 or caps["amx_bf16"], caps  # oneDNN's bf16 brgemm needs AVX-512 BF16 or AMX
 g = torch.Generator().manual_seed(3)
 x, w, b = torch.randn(6, 97, generator=g).bfloat16(), torch.randn(11, 97, generator=g).bfloat16(), torch.randn(11)
@@ -298,7 +298,7 @@ for qd in (torch.int8, torch.float8_e4m3fn):
     assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max(), qd
 try:
     torch.ops.flashrl_native.qlinear(x, q, s, b, True)
-    raise AssertionError("act_quant ran without VNNI")
+    raise AssertionError("act_quant ran on an AVX-512 build without VNNI")
 except RuntimeError as e:
     assert "VNNI" in str(e)
 print("ok")
@@ -311,7 +311,9 @@ def test_avx512_fallbacks_without_bf16_and_vnni():
     import subprocess
     import sys
 
-    if not _caps()["vector"] or not (_caps()["bf16_dot"] or _caps()["w8a8_vnni"]):
+    from flashrl_kernels import _native
+
+    if _native.native_status().capability != "AVX512" or not (_caps()["bf16_dot"] or _caps()["w8a8"]):
         pytest.skip("no AVX-512 BF16 / VNNI here to hide")
     env = {**os.environ, "FLASHRL_NATIVE_CPU_DISABLE": "avx512bf16,avx512vnni"}
     r = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], check=False, env=env, capture_output=True, text=True, timeout=600)
@@ -336,7 +338,7 @@ def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path):
     assert bench.threshold([1, 8, 32, 256], {1: 1.5, 8: 0.9, 32: 0.8, 256: 0.7}) == 8
     assert bench.threshold([1, 8, 32, 256], {1: 0.5, 8: 1.1, 32: 0.8, 256: 0.7}) == 32  # won at every larger M
     assert bench.threshold([1, 8], {1: 0.9, 8: 1.0}) == 0
-    if not (_caps()["bf16_dot"] and _caps()["w8a8_vnni"]):
+    if not (_caps()["bf16_dot"] and _caps()["w8a8"]):
         pytest.skip("no AVX-512 VNNI / BF16 here: the tiles are the only drivers")
     out = tmp_path / "dispatch.json"
     r = subprocess.run([sys.executable, str(root / "bench" / "cpu_linear_dispatch.py"), "--layers", "1", "--vocab",

@@ -191,7 +191,7 @@ def test_layers_run_the_native_kernel_directly(engines, quant):
         for n, mod in m.named_modules() if n.endswith("proj")
     })[0]
     assert len(layers) == 2 * 4
-    w8a8 = quant == "flashrl_int8" and qlinear_capabilities()["w8a8_vnni"]
+    w8a8 = quant == "flashrl_int8" and qlinear_capabilities()["w8a8"]
     # int8 W8A8 layers store their codes VNNI-packed (every tiny-model shape fits) and run the packed kernel
     packed = w8a8 and packed_w8a8_capabilities()["vnni"]
     op_w8a8 = torch.ops.flashrl_native.qlinear_packed if packed else torch.ops.flashrl_native.qlinear

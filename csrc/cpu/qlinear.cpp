@@ -15,6 +15,8 @@
 //                              offset removed with 128 * sum_k xq[m, k] (nothing per weight row, which a sync
 //                              would have to refresh). Integer sums are exact; the product of the two fp32
 //                              scales is the only rounding.
+//   W8A8 INT8, AVX2:           the same per-token codes as int16, weights sign-extended to int16 in registers,
+//                              vpmaddwd into int32 (madd_block); the same integers and epilogue as VNNI.
 //   weight-only, bf16 x, AVX-512 BF16: rows widened to bf16 (exact: int8 and e4m3 fit in bf16), vdpbf16ps
 //                              into fp32 accumulators; M <= 8 widens in registers inside the dot-product loop
 //                              (drive_decode_bf16), larger M once per block of 4 rows into a per-thread scratch.
@@ -189,6 +191,39 @@ inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int6
       out[m * NB + j] = out[m * NB + j] / kVecWeightFactor<Q> + tail;
     }
 }
+
+// W8A8 on AVX2: out[m * NB + j] = float(sum_k xq[m, k] * q[j, k]) for MT tokens of int16 codes (rows zero-padded
+// to a multiple of 16) and NB int8 weight rows, sign-extended to int16 in registers. vpmaddwd multiplies 16 pairs
+// and adds neighbours into 8 int32 lanes: twice fp32's products per instruction, and one widening instruction per
+// 16 weights instead of two per 8. Integer sums, exact (|sum| <= 128 * 127 * K < 2^31 for K <= 65536).
+template <int MT, int NB>
+inline void madd_block(const int16_t* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t k_len, float* out,
+                       int64_t pf = 0) {
+  __m256i acc[MT][NB];
+  FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_si256();
+  int64_t k = 0;
+  for (; k + 16 <= k_len; k += 16) {
+    __m256i wv[NB];
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) {
+      wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * ldw + k)));
+      if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + pf, FLASHRL_PREFETCH_HINT);
+    }
+    FLASHRL_UNROLL for (int m = 0; m < MT; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * ldx + k));
+      FLASHRL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(xv, wv[j]));
+    }
+  }
+  FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) {
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[m][j]), _mm256_extracti128_si256(acc[m][j], 1));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+      int32_t total = _mm_cvtsi128_si32(s);
+      for (int64_t t = k; t < k_len; ++t) total += int32_t{x[m * ldx + t]} * int32_t{w[j * ldw + t]};
+      out[m * NB + j] = static_cast<float>(total);
+    }
+}
 #elif !defined(CPU_CAPABILITY_AVX512)
 template <int MT, int NB, typename Q>
 inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int64_t k_len, float* out,
@@ -249,9 +284,13 @@ FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const fp8* p) {
 // cpu_has (cpu_features.h): FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni hides them
 const bool kHasBf16 = cpu_has("avx512bf16");
 const bool kHasVnni = cpu_has("avx512vnni");
+const bool kHasW8A8 = kHasVnni;  // AVX-512 builds: vpdpbusd (AVX-512 without VNNI emulates W8A8 on the fp32 tiles)
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr bool kHasBf16 = false;
+constexpr bool kHasW8A8 = true;  // vpmaddwd (madd_block)
 #else
 constexpr bool kHasBf16 = false;
-constexpr bool kHasVnni = false;
+constexpr bool kHasW8A8 = false;
 #endif
 
 // rows of x (any float dtype) to a fp32 [M, K] buffer
@@ -310,6 +349,24 @@ inline void by_shape(int64_t mt, int64_t nb, F&& f) {
   }
 }
 
+// drive<2> with a compiled block kernel per tile shape: kernel(MT, NB, m0, n0, out, pf) fills out[MT * NB]
+// ([token][row]) for tokens [m0, m0 + MT) and rows [n0, n0 + NB); pf > 0 on the first token tile of a row block
+template <typename Kernel, typename Emit>
+void drive_pairs(int64_t M, int64_t N, int64_t pf_bytes, Kernel&& kernel, Emit&& emit) {
+  drive<2>(M, N, [&](int64_t m0, int64_t mt, int64_t n0, int64_t nb, float* out) {
+    const int64_t pf = m0 % kMChunk == 0 ? pf_bytes : 0;
+    by_shape<2>(mt, nb, [&](auto MT, auto NB, int64_t j = 0) {
+      kernel(MT, NB, m0, n0 + j, out + j * decltype(MT)::value, pf);
+    });
+    if (nb != 2) {  // the single-row calls wrote [row][token]
+      float t[16];
+      for (int64_t j = 0; j < nb; ++j)
+        for (int64_t m = 0; m < mt; ++m) t[m * nb + j] = out[j * mt + m];
+      std::copy(t, t + mt * nb, out);
+    }
+  }, emit);
+}
+
 template <typename Out>
 struct Writer {
   Out* y;
@@ -348,18 +405,39 @@ void run_weight_only(const at::Tensor& x, const Q* w, int64_t ldw, int64_t N, co
   }
   const int64_t ldx = x.scalar_type() == at::kFloat ? x.stride(0) : K;
   const int64_t pf_bytes = kPrefetchBlocks * 2 * ldw * int64_t{sizeof(Q)};
-  drive<2>(M, N, [&](int64_t m0, int64_t mt, int64_t n0, int64_t nb, float* out) {
-    const int64_t pf = m0 % kMChunk == 0 ? pf_bytes : 0;  // the first token tile of a row block
-    by_shape<2>(mt, nb, [&](auto MT, auto NB, int64_t j = 0) {
-      fma_block<decltype(MT)::value, decltype(NB)::value>(xf + m0 * ldx, ldx, w + (n0 + j) * ldw, ldw, K,
-                                                         out + j * decltype(MT)::value, pf);
-    });
-    if (nb != 2) {
-      float t[16];
-      for (int64_t j = 0; j < nb; ++j)
-        for (int64_t m = 0; m < mt; ++m) t[m * nb + j] = out[j * mt + m];
-      std::copy(t, t + mt * nb, out);
-    }
+  drive_pairs(M, N, pf_bytes, [&](auto MT, auto NB, int64_t m0, int64_t n0, float* out, int64_t pf) {
+    fma_block<decltype(MT)::value, decltype(NB)::value>(xf + m0 * ldx, ldx, w + n0 * ldw, ldw, K, out, pf);
+  }, emit);
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// y = (dot * scale[n]) * xs[m] + bias[n] with one explicit FMA: the AVX-512 kernels' epilogue (store_tile), so
+// that the W8A8 outputs of every CPU class round alike
+template <typename Out>
+struct W8A8Writer {
+  Out* y;
+  int64_t ldy;
+  const float* scale;
+  const float* xs;
+  const float* bias;  // fp32 copy or nullptr
+  inline void operator()(int64_t m, int64_t n, float dot) const {
+    y[m * ldy + n] = static_cast<Out>(std::fma(dot * scale[n], xs[m], bias ? bias[n] : 0.f));
+  }
+};
+
+// dynamic W8A8 on AVX2: tokens quantized per token (the spec) to int16 codes, then madd_block tiles
+template <typename Out>
+void run_w8a8_avx2(const at::Tensor& x, const int8_t* w, int64_t ldw, int64_t N, const float* scale,
+                   const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), ldu = (K + 15) / 16 * 16;
+  std::vector<int16_t> xq(static_cast<size_t>(M * ldu));
+  std::vector<float> xs(static_cast<size_t>(M));
+  quantize_tokens_s16(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xq.data(), xs.data());
+  const W8A8Writer<Out> emit{y.data_ptr<Out>(), N, scale, xs.data(), bias};
+  const int64_t pf_bytes = kPrefetchBlocks * 2 * ldw;
+  drive_pairs(M, N, pf_bytes, [&](auto MT, auto NB, int64_t m0, int64_t n0, float* out, int64_t pf) {
+    madd_block<decltype(MT)::value, decltype(NB)::value>(xq.data() + m0 * ldu, ldu, w + n0 * ldw, ldw, K, out, pf);
   }, emit);
 }
 #endif
@@ -949,6 +1027,12 @@ void run_typed(const at::Tensor& x, const at::Tensor& q, const float* scale, con
 #if defined(CPU_CAPABILITY_AVX512)
   run_avx512<Out>(x, q, scale, bias, act_quant, y);
 #else
+#if defined(CPU_CAPABILITY_AVX2)
+  if (act_quant) {  // int8 (checked by the caller)
+    run_w8a8_avx2<Out>(x, q.const_data_ptr<int8_t>(), q.stride(0), q.size(0), scale, bias, y);
+    return;
+  }
+#endif
   if (q.scalar_type() == at::kChar) {
     run_weight_only<Out, int8_t>(x, q.const_data_ptr<int8_t>(), q.stride(0), q.size(0), scale, bias, y);
   } else {
@@ -978,9 +1062,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
                   scale.is_contiguous(), op, ": scale must be contiguous float32 [N]");
   TORCH_CHECK((x.stride(1) == 1 || x.size(1) <= 1) && (q.stride(1) == 1 || q.size(1) <= 1), op,
               ": rows of x and q must have unit stride");
-  TORCH_CHECK(!act_quant || (qt == at::kChar && kHasVnni), op,
-              ": act_quant runs on AVX-512 VNNI CPUs with int8 weights only (qlinear_caps says where)");
-  // int32 sums of (u8 + 128) * s8 stay exact up to K = 2^31 / (255 * 128)
+  TORCH_CHECK(!act_quant || (qt == at::kChar && kHasW8A8), op,
+              ": act_quant needs int8 weights and integer dot products (AVX-512 VNNI, or an AVX2 build; "
+              "qlinear_caps says where)");
+  // int32 sums of (u8 + 128) * s8 (VNNI) stay exact up to K = 2^31 / (255 * 128)
   TORCH_CHECK(!act_quant || x.size(1) <= 65536, op, ": act_quant supports K <= 65536");
   const int64_t M = x.size(0), N = q.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -1051,7 +1136,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   return y;
 }
 
-// which fast paths this build and CPU have: [vnni w8a8, bf16 dot products, vector weight-only, AMX-BF16 granted,
+// which fast paths this build and CPU have: [native W8A8 (VNNI or AVX2 vpmaddwd), bf16 dot products, vector weight-only, AMX-BF16 granted,
 // tokens from which bf16-activation calls run oneDNN brgemm (0: never)]
 std::vector<int64_t> qlinear_caps() {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -1061,9 +1146,9 @@ std::vector<int64_t> qlinear_caps() {
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
   const BrgemmBf16Config& b = brgemm_bf16_config();
-  return {int64_t{kHasVnni}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m};
+  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m};
 #else
-  return {int64_t{kHasVnni}, int64_t{kHasBf16}, vec, 0, 0};
+  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0};
 #endif
 }
 

@@ -1,5 +1,6 @@
 // Per-token dynamic INT8 quantization of activations for the native W8A8 linears (qlinear.cpp on plain
-// weights, qlinear_packed.cpp on VNNI-packed ones): the spec's quantize_per_token, vectorised.
+// weights, qlinear_packed.cpp on VNNI-packed ones): the spec's quantize_per_token, vectorised (AVX-512: s8 / u8
+// codes for vpdpbusd and oneDNN; AVX2: int16 codes for vpmaddwd).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -12,7 +13,7 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -87,6 +88,71 @@ void quantize_tokens_s8(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t l
       }
       std::fill(u + K, u + ldu, pad);
       if (xsum) xsum[m] = total;
+    }
+  });
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// The same per-token quantization as quantize_tokens_s8 (the spec), for AVX2's W8A8 tiles (qlinear.cpp), whose
+// vpmaddwd multiplies 16-bit operands: each code stored as int16, rows padded with 0 to ldu.
+template <typename T>
+void quantize_tokens_s16(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t ldu, int16_t* xq, float* xs) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t m = b; m < e; ++m) {
+      const T* r = x + m * ldx;
+      __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) {
+        const __m256 v = load8(r + k);
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, abs_mask));
+        vbad = _mm256_add_ps(vbad, _mm256_sub_ps(v, v));  // NaN for NaN / inf lanes
+      }
+      alignas(32) float lanes[8], bad[8];
+      _mm256_store_ps(lanes, vmax);
+      _mm256_store_ps(bad, vbad);
+      float amax = 0.f;
+      bool finite = true;
+      for (int i = 0; i < 8; ++i) {
+        amax = std::max(amax, lanes[i]);
+        finite = finite && !std::isnan(bad[i]);
+      }
+      for (; k < K; ++k) {
+        const float v = static_cast<float>(r[k]);
+        finite = finite && std::isfinite(v);
+        amax = std::max(amax, std::abs(v));
+      }
+      int16_t* u = xq + m * ldu;
+      if (!finite || amax <= kTokenZeroRowAmax) {
+        std::fill(u, u + ldu, int16_t{0});
+        xs[m] = finite ? 1.f : std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float s = amax / 127.f;  // fp32 division, correctly rounded
+      xs[m] = s;
+      const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+      for (k = 0; k + 8 <= K; k += 8) {
+        __m256 y = _mm256_round_ps(_mm256_div_ps(load8(r + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i qi = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, y)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k),
+                         _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1)));
+      }
+      for (; k < K; ++k)
+        u[k] = static_cast<int16_t>(std::min(127.f, std::max(-128.f, std::nearbyint(static_cast<float>(r[k]) / s))));
+      std::fill(u + K, u + ldu, int16_t{0});
     }
   });
 }

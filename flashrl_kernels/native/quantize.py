@@ -57,17 +57,18 @@ def _quantize_rows(w2d: torch.Tensor, dtype: torch.dtype):
 
 @functools.cache
 def qlinear_capabilities() -> dict:
-    """What the native quantized linear does on this CPU: {'w8a8_vnni', 'bf16_dot', 'vector', 'amx_bf16'} -> bool,
+    """What the native quantized linear does on this CPU: {'w8a8', 'bf16_dot', 'vector', 'amx_bf16'} -> bool
+    ('w8a8': dynamic W8A8 as integer dot products, AVX-512 VNNI's vpdpbusd or AVX2's vpmaddwd),
     'bf16_brgemm_min_m': tokens from which bf16-activation calls (weight-only int8 / fp8, the bf16 head) run
     oneDNN's brgemm with the weight rows as its A operand (0: never; FLASHRL_NATIVE_BF16_BRGEMM_MIN_M)."""
-    vnni, bf16, vec, amx_bf16, min_m = torch.ops.flashrl_native.qlinear_caps()
-    return {"w8a8_vnni": bool(vnni), "bf16_dot": bool(bf16), "vector": bool(vec), "amx_bf16": bool(amx_bf16),
+    w8a8, bf16, vec, amx_bf16, min_m = torch.ops.flashrl_native.qlinear_caps()
+    return {"w8a8": bool(w8a8), "bf16_dot": bool(bf16), "vector": bool(vec), "amx_bf16": bool(amx_bf16),
             "bf16_brgemm_min_m": int(min_m)}
 
 
 def w8a8_native(q: torch.Tensor) -> bool:
     """Whether dynamic W8A8 runs as integer dot products here (else it is emulated on the weight-only kernel)."""
-    return q.dtype == torch.int8 and qlinear_capabilities()["w8a8_vnni"]
+    return q.dtype == torch.int8 and qlinear_capabilities()["w8a8"]
 
 
 def scaled_linear_forward(x2d, q, scale, bias, activation_quant):

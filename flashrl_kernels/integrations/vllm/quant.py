@@ -80,8 +80,9 @@ def use_activation_quant(mode: str, weight: torch.Tensor) -> bool:
     The one place that decides it for every quantized layer (linears and the LM
     head), from the layer's weight (its device and dtype). "auto" is W8A8 where
     the W8A8 GEMM is the fast path: CUDA, and int8 weights on a CPU whose native
-    kernel has integer dot products (AVX-512 VNNI; measured in
-    docs/quantized_rollout.md, "Which activation mode"); weight-only elsewhere.
+    kernel has integer dot products (AVX-512 VNNI's vpdpbusd, AVX2's vpmaddwd;
+    measured in docs/quantized_rollout.md, "Which activation mode"); weight-only
+    elsewhere (FP8, AVX-512 without VNNI, portable builds).
     "dynamic" / "none" force it on / off. Static under torch.compile.
     """
     if mode != "auto":

@@ -351,3 +351,25 @@ def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path):
         assert all(run[m][k] > 0 for m in ("3", "20") for k in ("int8", "fp8", "head"))
     assert set(res["summary"]) == {"int8", "fp8", "head"}
     assert "| head | 20 |" in r.stdout
+
+
+def test_int8_modes_bench_measures_both_modes(tmp_path):
+    """bench/cpu_int8_modes.py (the measurement behind activation_quant="auto" per CPU class): a tiny real run."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "modes.json"
+    r = subprocess.run([sys.executable, str(root / "bench" / "cpu_int8_modes.py"), "--layers", "1", "--m", "3",
+                        "--rounds", "2", "--repeats", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, check=False)
+    if not _caps()["w8a8"]:
+        assert r.returncode != 0 and "no native W8A8 kernel" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+        return
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert {"weight-only", "w8a8"} <= set(res["raw"])
+    assert all(len(res["raw"][mode]["3"]) == 2 and min(res["raw"][mode]["3"]) > 0 for mode in res["raw"])
+    assert res["weight_only_over_w8a8"]["3"] > 0 and "| 3 |" in r.stdout

@@ -192,6 +192,21 @@ inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int6
     }
 }
 
+// acc += v in place: written as an intrinsic, GCC 12 keeps the sum in a fresh register and copies it back (a
+// vmovdqa per product in the loop, as with the VNNI tiles' dot products in qlinear_packed.cpp)
+inline void add_into(__m256i& acc, __m256i v) { asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(v)); }
+
+template <int MT, int NB>
+inline void madd_step(const int16_t* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t k, __m256i (&acc)[MT][NB]) {
+  __m256i wv[NB];
+  FLASHRL_UNROLL for (int j = 0; j < NB; ++j)
+    wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * ldw + k)));
+  FLASHRL_UNROLL for (int m = 0; m < MT; ++m) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * ldx + k));
+    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) add_into(acc[m][j], _mm256_madd_epi16(xv, wv[j]));
+  }
+}
+
 // W8A8 on AVX2: out[m * NB + j] = float(sum_k xq[m, k] * q[j, k]) for MT tokens of int16 codes (rows zero-padded
 // to a multiple of 16) and NB int8 weight rows, sign-extended to int16 in registers. vpmaddwd multiplies 16 pairs
 // and adds neighbours into 8 int32 lanes: twice fp32's products per instruction, and one widening instruction per
@@ -203,17 +218,13 @@ inline void madd_block(const int16_t* x, int64_t ldx, const int8_t* w, int64_t l
   FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
     FLASHRL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_si256();
   int64_t k = 0;
-  for (; k + 16 <= k_len; k += 16) {
-    __m256i wv[NB];
-    FLASHRL_UNROLL for (int j = 0; j < NB; ++j) {
-      wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * ldw + k)));
-      if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + pf, FLASHRL_PREFETCH_HINT);
-    }
-    FLASHRL_UNROLL for (int m = 0; m < MT; ++m) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * ldx + k));
-      FLASHRL_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(xv, wv[j]));
-    }
+  for (; k + 64 <= k_len; k += 64) {  // a cache line of each row per iteration: one prefetch, four steps
+    if (pf)
+      FLASHRL_UNROLL for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + pf, FLASHRL_PREFETCH_HINT);
+    FLASHRL_UNROLL for (int t = 0; t < 64; t += 16) madd_step<MT, NB>(x, ldx, w, ldw, k + t, acc);
   }
+  for (; k + 16 <= k_len; k += 16) madd_step<MT, NB>(x, ldx, w, ldw, k, acc);
   FLASHRL_UNROLL for (int m = 0; m < MT; ++m)
     FLASHRL_UNROLL for (int j = 0; j < NB; ++j) {
       __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[m][j]), _mm256_extracti128_si256(acc[m][j], 1));

@@ -123,16 +123,19 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
             assert r["of_bound"] == pytest.approx(r["tokens_per_s"] / r["bound_tokens_per_s"])
         else:
             assert r["bound_tokens_per_s"] is None and r["of_bound"] is None
-    # vLLM's W8A8 engine holds the very int8 codes and scales flashrl_int8 computes: errors of one size where
-    # flashrl_int8 runs W8A8 too; where its "auto" mode is weight-only (no native W8A8 kernel on this CPU, e.g.
-    # AVX-512 without VNNI) it skips the activation rounding, so its error is the smaller
+    # vLLM's W8A8 engine holds the very int8 codes and scales flashrl_int8 computes. Where both multiply them
+    # exactly (flashrl_int8 in W8A8 mode; vLLM's oneDNN / sgl-kernel int8 GEMM on AVX-512 VNNI or AMX) the errors
+    # are of one size. flashrl_int8's integer sums are exact on every CPU, so its error is never the larger one
+    # by much: where its "auto" mode is weight-only (no native W8A8 kernel here) it skips the activation
+    # rounding, and on AVX2-only CPUs vLLM's oneDNN int8 GEMM was measured 1.75-4.2x less accurate than ours.
+    from flashrl_kernels._cpu import cpu_flags
     from flashrl_kernels.integrations.vllm.quant import use_activation_quant
 
     err = {r["engine"]: r["mean_abs_dlogp"] for r in rows if r["case"] == "decode8"}
-    if use_activation_quant("auto", torch.zeros(64, 64, dtype=torch.int8)):
-        assert 0.5 < err["vllm_w8a8"] / err["flashrl_int8"] < 2.0, err
-    else:
-        assert err["flashrl_int8"] < err["vllm_w8a8"], err
+    assert err["flashrl_int8"] < 2.0 * err["vllm_w8a8"], err
+    vllm_exact = "avx512_vnni" in cpu_flags() or "amx_int8" in cpu_flags()
+    if use_activation_quant("auto", torch.zeros(64, 64, dtype=torch.int8)) and vllm_exact:
+        assert err["vllm_w8a8"] < 2.0 * err["flashrl_int8"], err
     assert "flashrl_int8" in proc.stdout and "KL est." in proc.stdout and "x vs w8a8" in proc.stdout
 
 

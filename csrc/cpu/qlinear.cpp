@@ -1147,8 +1147,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   return y;
 }
 
-// which fast paths this build and CPU have: [native W8A8 (VNNI or AVX2 vpmaddwd), bf16 dot products, vector weight-only, AMX-BF16 granted,
-// tokens from which bf16-activation calls run oneDNN brgemm (0: never)]
+// which fast paths this build and CPU have: [native W8A8 (VNNI or AVX2 vpmaddwd), bf16 dot products, vector
+// weight-only, AMX-BF16 granted, tokens from which bf16-activation calls run oneDNN brgemm (0: never)]
 std::vector<int64_t> qlinear_caps() {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr int64_t vec = 1;

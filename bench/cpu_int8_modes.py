@@ -9,7 +9,7 @@ native `qlinear` runs them:
   weight-only  act_quant=False: the rows widened (to fp32, or to bf16 on AVX-512 BF16 CPUs), float dot products
   w8a8         act_quant=True: tokens quantized per token, integer dot products (AVX-512 VNNI's vpdpbusd,
                AVX2's vpmaddwd)
-and, on AVX-512 VNNI CPUs, the VNNI-packed W8A8 kernel the vLLM plugin's layers run there. The vLLM plugin's
+and, where the build has one (AVX-512 VNNI, AVX2), the packed W8A8 kernel the vLLM plugin's layers run there. The vLLM plugin's
 `activation_quant="auto"` is W8A8 exactly where this build has native integer dot products
 (`qlinear_capabilities()["w8a8"]`); this script is the measurement behind that rule for a CPU class
 (docs/quantized_rollout.md, "Which activation mode"). Rounds alternate the modes in one process; every number is
@@ -48,7 +48,7 @@ def measure(ms: list[int], layers: int, rounds: int, repeats: int, log=print) ->
     op = torch.ops.flashrl_native
     torch.manual_seed(0)
     plain, packed = [], []
-    with_packed = packed_w8a8_capabilities()["vnni"]
+    with_packed = packed_w8a8_capabilities()["available"]
     for n, k in SHAPES * layers:
         w = torch.empty(n, k).normal_(0, 0.05)
         plain.append(_quantize_rows(w, torch.int8))

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     print(f"CPU: {cpu_name()}; flags: {' '.join(isa_flags())}; threads: {os.cpu_count()}")
     print(f"defaults here: int8 brgemm from {packed_w8a8_capabilities()['brgemm_min_m'] or 'never'}, "
           f"bf16 brgemm from {qlinear_capabilities()['bf16_brgemm_min_m'] or 'never'}")
-    if not packed_w8a8_capabilities()["vnni"] or not qlinear_capabilities()["bf16_dot"]:
+    if packed_w8a8_capabilities()["kernel"] != "avx512_vnni" or not qlinear_capabilities()["bf16_dot"]:
         print("this CPU lacks AVX-512 VNNI / BF16: the tiles are the only drivers here")
         return 0
     raw = {d: [] for d in DRIVERS}

@@ -69,14 +69,15 @@ def _quantized_linear_line() -> str:
     from flashrl_kernels.native.quantize import packed_w8a8_capabilities, qlinear_capabilities
 
     caps, packed = qlinear_capabilities(), packed_w8a8_capabilities()
-    if packed["vnni"]:
+    if packed["kernel"] == "avx2":
+        return "INT8 W8A8 linear: packed weights, AVX2 tiles (vpmaddwd)"
+    if packed["kernel"]:
         brgemm = (f"oneDNN brgemm ({'AMX-INT8 tiles' if packed['amx'] else 'VNNI'}) from {packed['brgemm_min_m']} "
                   "tokens" if packed["brgemm_min_m"] else "no brgemm")
         return f"INT8 W8A8 linear: VNNI-packed weights (tiles; {brgemm})"
-    if caps["w8a8"] and _native.native_status().capability == "AVX2":
-        return "INT8 W8A8 linear: plain-layout AVX2 kernel (vpmaddwd)"
     if caps["w8a8"]:
-        return "INT8 W8A8 linear: plain-layout VNNI kernel (FLASHRL_NATIVE_PACKED=0)"
+        kind = "AVX2 (vpmaddwd)" if _native.native_status().capability == "AVX2" else "VNNI"
+        return f"INT8 W8A8 linear: plain-layout {kind} kernel (FLASHRL_NATIVE_PACKED=0)"
     return "INT8 linear: weight-only (no integer dot products here: AVX-512 without VNNI, or a portable build)"
 
 

@@ -1,10 +1,11 @@
-"""The VNNI-packed W8A8 linear (csrc/cpu/qlinear_packed.cpp) and the quantizer that writes its layout.
+"""The packed W8A8 linear (csrc/cpu/qlinear_packed.cpp: AVX-512 VNNI tiles in 64-row blocks, AVX2 vpmaddwd tiles in
+8-row blocks) and the quantizer that writes its layout.
 
 flashrl_native::quantize_rows_packed must give exactly quantize_rows' codes and scales (in the packed order, with
 each row's code sum); flashrl_native::qlinear_packed must equal the plain-layout W8A8 kernel bit for bit (same
 integer sums, same epilogue) and the float64 spec within the dtype's tolerance, on both of its drivers (the
 VNNI tiles and oneDNN's brgemm, which runs AMX-INT8 tiles on CPUs that have them and is forced here in a
-subprocess with FLASHRL_NATIVE_BRGEMM_MIN_M=1).
+subprocess with FLASHRL_NATIVE_BRGEMM_MIN_M=1; VNNI builds only).
 """
 import os
 import subprocess
@@ -26,8 +27,8 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 def _packed():
     from flashrl_kernels.native import quantize as nq
 
-    if not nq.packed_w8a8_capabilities()["vnni"]:
-        pytest.skip("the packed W8A8 kernel needs AVX-512 VNNI")
+    if not nq.packed_w8a8_capabilities()["available"]:
+        pytest.skip("the packed W8A8 kernel needs an AVX2 or AVX-512 VNNI build")
     return nq
 
 
@@ -61,7 +62,7 @@ def test_packed_quantizer_equals_quantize_rows(wdtype, n, k):
 
 
 def test_partial_writes_cross_blocks_and_count_changes():
-    """Row ranges that start and end inside 64-row blocks (a TP shard of q/k/v) write only their rows, and the
+    """Row ranges that start and end inside packed blocks (a TP shard of q/k/v) write only their rows, and the
     count is the number of codes whose value changed."""
     nq = _packed()
     g = torch.Generator().manual_seed(4)
@@ -83,9 +84,13 @@ def test_partial_writes_cross_blocks_and_count_changes():
 
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 300])
-@pytest.mark.parametrize("n,k", [(64, 4), (128, 100), (192, 896)])
+@pytest.mark.parametrize("n,k", [(64, 4), (128, 100), (192, 896), (8, 4), (72, 36), (200, 900)])
 def test_packed_linear_equals_plain_kernel_and_spec(xdtype, m, n, k):
+    """Every tile shape of both kernels: tokens left over after the 4-token tiles (1-3), and on AVX2 row-block
+    counts that are not multiples of the 4 blocks the 1-token tiles take."""
     nq = _packed()
+    if n % nq.packed_w8a8_capabilities()["pack_rows"]:
+        pytest.skip(f"N = {n} is not a whole number of this build's packed blocks")
     g = torch.Generator().manual_seed(m * 7 + n + k)
     w = torch.randn(n, k, generator=g)
     q, s, c = _pack(w)
@@ -150,7 +155,8 @@ def test_results_do_not_depend_on_threads():
 def test_brgemm_driver_equals_the_tiles(tmp_path):
     """oneDNN's brgemm on the same bytes (AMX-INT8 tiles where the CPU has them, VNNI here) gives the same
     outputs as the tiles: forced for every M in a fresh process, compared here, where the tiles run."""
-    _packed()
+    if _packed().packed_w8a8_capabilities()["kernel"] != "avx512_vnni":
+        pytest.skip("oneDNN's u8 x s8 brgemm reads the 64-row VNNI layout only (AVX2 builds have no brgemm driver)")
     code = textwrap.dedent("""
         import sys, torch
         from flashrl_kernels import _native
@@ -213,8 +219,8 @@ def test_bad_arguments():
     op = torch.ops.flashrl_native.qlinear_packed
     with pytest.raises(RuntimeError, match="packed layout"):
         op(x[:, :30], torch.zeros(64, 30, dtype=torch.int8), s, c, None)  # K % 4
-    with pytest.raises(RuntimeError, match="packed layout"):
-        op(x, torch.zeros(48, 32, dtype=torch.int8), s[:48], c[:48], None)  # N % 64
+    with pytest.raises(RuntimeError, match="packed layout"):  # N % 64 (AVX-512) or % 8 (AVX2)
+        op(x, torch.zeros(68, 32, dtype=torch.int8), torch.ones(68), torch.zeros(68, dtype=torch.int32), None)
     with pytest.raises(RuntimeError, match="comp must be"):
         op(x, q, s, c.float(), None)
     with pytest.raises(RuntimeError, match="scale must be"):

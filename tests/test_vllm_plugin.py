@@ -192,8 +192,8 @@ def test_layers_run_the_native_kernel_directly(engines, quant):
     })[0]
     assert len(layers) == 2 * 4
     w8a8 = quant == "flashrl_int8" and qlinear_capabilities()["w8a8"]
-    # int8 W8A8 layers store their codes VNNI-packed (every tiny-model shape fits) and run the packed kernel
-    packed = w8a8 and packed_w8a8_capabilities()["vnni"]
+    # int8 W8A8 layers store their codes packed (every tiny-model shape fits) and run the packed kernel
+    packed = w8a8 and packed_w8a8_capabilities()["available"]
     op_w8a8 = torch.ops.flashrl_native.qlinear_packed if packed else torch.ops.flashrl_native.qlinear
     expected = op_w8a8 if w8a8 else torch.ops.flashrl_native.qlinear
     assert all(op is expected and act == w8a8 for op, act in layers.values()), layers
@@ -204,11 +204,11 @@ def test_layers_run_the_native_kernel_directly(engines, quant):
 
 
 def test_packed_layout_engine_equals_plain_layout_engine(engines, ckpts):
-    """The VNNI-packed INT8 layers (and packed quantized head) produce exactly the tokens and logprobs of the
+    """The packed INT8 layers (and packed quantized head) produce exactly the tokens and logprobs of the
     plain-layout kernels (weight_layout "plain"): same codes, same integer sums, same epilogue."""
     from flashrl_kernels.native.quantize import packed_w8a8_capabilities
 
-    if not packed_w8a8_capabilities()["vnni"] or os.environ.get("FLASHRL_BACKEND", "native") != "native":
+    if not packed_w8a8_capabilities()["available"] or os.environ.get("FLASHRL_BACKEND", "native") != "native":
         pytest.skip("the packed W8A8 kernel does not run here")
     packed = engines("flashrl_int8", "base", lm_head=True)
     n_packed = packed.apply_model(lambda m: sum(n.endswith("weight_comp") for n, _ in m.named_buffers()))[0]

@@ -192,10 +192,6 @@ inline void fma_block(const float* x, int64_t ldx, const Q* w, int64_t ldw, int6
     }
 }
 
-// acc += v in place: written as an intrinsic, GCC 12 keeps the sum in a fresh register and copies it back (a
-// vmovdqa per product in the loop, as with the VNNI tiles' dot products in qlinear_packed.cpp)
-inline void add_into(__m256i& acc, __m256i v) { asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(v)); }
-
 template <int MT, int NB>
 inline void madd_step(const int16_t* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t k, __m256i (&acc)[MT][NB]) {
   __m256i wv[NB];

@@ -35,6 +35,7 @@
 #endif
 
 #include "cpu_features.h"
+#include "packed_layout.h"
 #include "token_quant.h"
 #include "vec_utils.h"
 
@@ -46,21 +47,21 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
 namespace flashrl_native {
 namespace {
 
-constexpr int64_t kPackRows = 64;
-constexpr int64_t kPackGroup = kPackRows * 4;  // bytes of one k-group of a block
 constexpr int64_t kTokenChunk = 256;  // tokens per pass over the weight: their u8 codes (256 K bytes) stay in L2
+constexpr int64_t kTokenChunkAvx2 = 128;  // the same for the AVX2 kernel's int16 codes (256 K bytes)
 constexpr int64_t kBrgemmRows = 32;  // tokens per brgemm call (two 16-row AMX tiles of A)
 constexpr int64_t kMaxK = 65536;  // int32 sums of (u8 + 128) x s8 products stay exact
 
 struct PackedConfig {
   bool vnni = false;
+  bool avx2 = false;  // an AVX2 build: the vpmaddwd kernel
   bool amx = false;  // AMX-TILE + AMX-INT8, and Linux granted this process the tile state
   int64_t brgemm_min_m = 0;  // 0: never
 };
@@ -70,21 +71,23 @@ const PackedConfig& config() {
     PackedConfig r;
 #if defined(CPU_CAPABILITY_AVX512)
     r.vnni = cpu_has("avx512vnni");
+#elif defined(CPU_CAPABILITY_AVX2)
+    r.avx2 = true;
 #endif
 #if defined(FLASHRL_HAS_INIT_AMX) && defined(CPUBLAS_BRGEMM_U8I8I32)
     // init_amx asks Linux for the tile state (arch_prctl); AMX instructions fault until a process has it
     r.amx = cpu_has("amx") && at::cpu::init_amx();
 #endif
 #if defined(CPUBLAS_BRGEMM_U8I8I32)
-    r.brgemm_min_m = env_int("FLASHRL_NATIVE_BRGEMM_MIN_M", r.amx ? 32 : 0);
+    if (r.vnni) r.brgemm_min_m = env_int("FLASHRL_NATIVE_BRGEMM_MIN_M", r.amx ? 32 : 0);  // the 64-row layout only
 #endif
     return r;
   }();
   return c;
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
 #define FLASHRL_UNROLL_PACKED _Pragma("GCC unroll 16")
+#if defined(CPU_CAPABILITY_AVX512)
 #define FLASHRL_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 template <typename Out>
@@ -268,16 +271,117 @@ void drive_brgemm(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_
   });
 }
 #endif
-#endif  // CPU_CAPABILITY_AVX512
+#elif defined(CPU_CAPABILITY_AVX2)
+// AVX2 (no VNNI): the same bytes through vpmaddwd, whose operands are both signed, so the tokens are the spec's
+// int16 codes (token_quant.h, as the plain-layout AVX2 kernel) and no offset or row sum is needed. One 16-byte
+// load of a k-group holds 4 k of 4 rows; sign-extended (vpmovsxbw) it meets the token's 4 codes broadcast as one
+// 64-bit lane (vpbroadcastq): 8 int32 sums, two per row (k 0-1 and k 2-3), added pairwise once per tile (vphaddd).
+// Against the plain-layout kernel a widened weight vector serves MT tokens and a token load is 8 bytes instead of
+// 32, so a tile reads a third of the bytes per product, and no output needs a horizontal sum over K.
+
+struct Epilogue8 {
+  const float* xs;  // [M] token scales
+  const float* scale;  // [N] row scales
+  const float* bias;  // [N] fp32 or null
+  int64_t ldy;
+};
+
+template <typename Out>
+inline void store8(Out* dst, __m256 v) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm256_storeu_ps(dst, v);
+  } else if constexpr (std::is_same_v<Out, c10::Half>) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    const at::vec::Vectorized<float> f(v);
+    at::vec::convert_from_float<c10::BFloat16>(f, f).store(dst, 8);
+  }
+}
+
+// MT tokens x 4 RV rows from row n0 over all K: w points at the first of the RV / 2 consecutive 8-row blocks
+// (block_bytes apart; in each, k-group g is 32 bytes at 32 g), a at the first token's int16 codes
+template <int MT, int RV, typename Out>
+inline void avx2_tile(const int16_t* a, int64_t lda, const int8_t* w, int64_t block_bytes, int64_t groups,
+                      const Epilogue8& e, int64_t m0, int64_t n0, Out* y) {
+  static_assert(RV % 2 == 0, "rows are finished 8 at a time");
+  __m256i acc[MT][RV];
+  FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL_PACKED for (int r = 0; r < RV; ++r) acc[m][r] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wg = w + g * kPackGroup;
+    __m256i wv[RV];
+    FLASHRL_UNROLL_PACKED for (int r = 0; r < RV; ++r)
+      wv[r] = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + (r / 2) * block_bytes + 16 * (r % 2))));
+    FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m) {
+      int64_t a4;
+      std::memcpy(&a4, a + m * lda + 4 * g, 8);
+      const __m256i av = _mm256_set1_epi64x(a4);
+      FLASHRL_UNROLL_PACKED for (int r = 0; r < RV; ++r) add_into(acc[m][r], _mm256_madd_epi16(av, wv[r]));
+    }
+  }
+  FLASHRL_UNROLL_PACKED for (int r = 0; r < RV; r += 2) {
+    const int64_t n = n0 + 4 * r;
+    const __m256 scale = _mm256_loadu_ps(e.scale + n);
+    const __m256 bias = e.bias ? _mm256_loadu_ps(e.bias + n) : _mm256_setzero_ps();
+    FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m) {
+      // hadd: rows n, n+1, n+4, n+5 | n+2, n+3, n+6, n+7; the qword permute puts them in order
+      const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][r], acc[m][r + 1]), 0xD8);
+      const __m256 d = _mm256_cvtepi32_ps(sums);
+      // (dot * scale) * xs + bias with one explicit FMA: the other W8A8 kernels' epilogue
+      store8(y + (m0 + m) * e.ldy + n, _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_set1_ps(e.xs[m0 + m]), bias));
+    }
+  }
+}
+
+// tokens [mc, mend) x 8-row blocks [b0, b1): per block, 4 tokens at a time; the 2 / 1 tokens left over take
+// 2 / 4 blocks at a time (fewer tokens leave registers for more rows: 8 accumulators in every tile)
+template <typename Out>
+void avx2_blocks(const int16_t* a, int64_t lda, int64_t K, const int8_t* w, int64_t b0, int64_t b1, int64_t mc,
+                 int64_t mend, const Epilogue8& e, Out* y) {
+  const int64_t groups = K / 4, bb = groups * kPackGroup;
+  const int64_t tail = (mend - mc) % 4, mt = mend - tail;
+  for (int64_t b = b0; b < b1; ++b)  // (5 and 6 tokens per tile measured no faster: 12 accumulators)
+    for (int64_t m0 = mc; m0 < mt; m0 += 4)
+      avx2_tile<4, 2>(a + m0 * lda, lda, w + b * bb, bb, groups, e, m0, b * kPackRows, y);
+  if (tail == 0) return;
+  int64_t b = b0;
+  for (; b + 4 <= b1; b += 4) {
+    int64_t m0 = mt;
+    if (tail >= 2) {
+      for (int64_t h = b; h < b + 4; h += 2)
+        avx2_tile<2, 4>(a + m0 * lda, lda, w + h * bb, bb, groups, e, m0, h * kPackRows, y);
+      m0 += 2;
+    }
+    if (m0 < mend) avx2_tile<1, 8>(a + m0 * lda, lda, w + b * bb, bb, groups, e, m0, b * kPackRows, y);
+  }
+  for (; b < b1; ++b)
+    for (int64_t m0 = mt; m0 < mend; ++m0)
+      avx2_tile<1, 2>(a + m0 * lda, lda, w + b * bb, bb, groups, e, m0, b * kPackRows, y);
+}
+
+template <typename Out>
+void drive_avx2(int64_t M, int64_t N, int64_t K, const int16_t* a, int64_t lda, const int8_t* w, const Epilogue8& e,
+                Out* y) {
+  const int64_t nblocks = N / kPackRows;
+  for (int64_t mc = 0; mc < M; mc += kTokenChunkAvx2) {
+    const int64_t mend = std::min(M, mc + kTokenChunkAvx2);
+    at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+      avx2_blocks<Out>(a, lda, K, w, b0, b1, mc, mend, e, y);
+    });
+  }
+}
+#endif  // CPU_CAPABILITY_AVX512 / AVX2
 
 at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& comp,
                           const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "qlinear_packed";
-  TORCH_CHECK(config().vnni, op, ": needs an AVX-512 VNNI CPU and an AVX-512 build (qlinear_packed_caps()[0])");
+  TORCH_CHECK(config().vnni || config().avx2, op,
+              ": needs an AVX2 or AVX-512 VNNI build (qlinear_packed_caps()[0]; AVX-512 without VNNI has none)");
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), op, ": x [M, K] and q [N, K], got ", x.sizes(),
               " and ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.size(0) % kPackRows == 0 && q.size(1) % 4 == 0,
-              op, ": q must be a contiguous int8 [N, K] in the packed layout (N % 64 == 0, K % 4 == 0), got ",
+              op, ": q must be a contiguous int8 [N, K] in the packed layout (N % ", kPackRows, " == 0, K % 4 == 0), got ",
               q.sizes());
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu() && comp.device().is_cpu(), op,
               ": CPU tensors only");
@@ -323,14 +427,30 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
     case at::kBFloat16: run(c10::BFloat16{}); break;
     default: run(c10::Half{});
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const int64_t lda = (K + 15) / 16 * 16;
+  std::vector<int16_t> xq(static_cast<size_t>(M * lda));
+  std::vector<float> xs(static_cast<size_t>(M));
+  const Epilogue8 e{xs.data(), scale.const_data_ptr<float>(), bias_f.empty() ? nullptr : bias_f.data(), N};
+  auto run = [&](auto out_tag) {
+    using Out = decltype(out_tag);
+    quantize_tokens_s16(x.const_data_ptr<Out>(), x.stride(0), M, K, lda, xq.data(), xs.data());
+    drive_avx2<Out>(M, N, K, xq.data(), lda, q.const_data_ptr<int8_t>(), e, y.data_ptr<Out>());
+  };
+  switch (xt) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: run(c10::Half{});
+  }
 #endif
   return y;
 }
 
-// [AVX-512 VNNI (the packed kernel runs), AMX-INT8 granted, brgemm from this M (0: never)]
+// [the packed kernel here (0: none, 1: AVX2 vpmaddwd, 2: AVX-512 VNNI), AMX-INT8 granted, brgemm from this M
+// (0: never), rows per block of the layout (packed_layout.h)]
 std::vector<int64_t> qlinear_packed_caps() {
   const PackedConfig& c = config();
-  return {int64_t{c.vnni}, int64_t{c.amx}, c.brgemm_min_m};
+  return {c.vnni ? 2 : c.avx2 ? 1 : 0, int64_t{c.amx}, c.brgemm_min_m, kPackRows};
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <limits>
 #include <vector>
 
+#include "packed_layout.h"
 #include "vec_utils.h"
 
 namespace flashrl_native {
@@ -227,13 +228,10 @@ int64_t quantize_rows_counted(const at::Tensor& w, at::Tensor& q_out, at::Tensor
   return quantize_checked<true>(w, q_out, scale_out);
 }
 
-// ------------------------------------------------------------------ the VNNI-packed int8 layout
-// A logical [N, K] int8 weight (N % 64 == 0, K % 4 == 0) stored for the packed W8A8 linear
-// (qlinear_packed.cpp): code (n, k) at byte ((n / 64) * (K / 4) + k / 4) * 256 + (n % 64) * 4 + k % 4, and
-// comp[n] = sum_k q[n, k] (int32) beside it. quantize_rows_packed writes rows [row0, row0 + R) of that
-// weight from R float rows, with exactly the codes and scales quantize_rows gives, and their sums.
-constexpr int64_t kPackRows = 64;
-constexpr int64_t kPackGroup = kPackRows * 4;  // bytes of one k-group of a block: 4 k of 64 rows
+// ------------------------------------------------------------------ the packed int8 layout
+// (packed_layout.h) of the W8A8 linear, with comp[n] = sum_k q[n, k] (int32) beside it. quantize_rows_packed
+// writes rows [row0, row0 + R) of that weight from R float rows, with exactly the codes and scales
+// quantize_rows gives, and their sums.
 
 inline int64_t nonzero_bytes(uint32_t x) {
   return __builtin_popcount((((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | x) & 0x80808080u);
@@ -249,7 +247,7 @@ int64_t quantize_packed_impl(const at::Tensor& w, at::Tensor& q_out, at::Tensor&
   int32_t* cp = comp_out.data_ptr<int32_t>();
   const int64_t first = row0 / kPackRows, last = (row0 + rows - 1) / kPackRows;
   std::atomic<int64_t> total{0};
-  // whole 64-row blocks per task: rows of one block share every cache line they write
+  // whole blocks per task: rows of one block share every cache line they write
   at::parallel_for(first, last + 1, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int8_t> codes(static_cast<size_t>(k));
     int64_t changed = 0;
@@ -291,7 +289,7 @@ void check_packed(const at::Tensor& q, const char* op) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.device().is_cpu(), op,
               ": q must be a contiguous int8 CPU tensor [N, K] holding the packed layout");
   TORCH_CHECK(q.size(0) % kPackRows == 0 && q.size(1) % 4 == 0, op,
-              ": the packed layout needs N % 64 == 0 and K % 4 == 0, got ", q.sizes());
+              ": the packed layout needs N % ", kPackRows, " == 0 and K % 4 == 0, got ", q.sizes());
 }
 
 // rows [row0, row0 + R) of the packed weight q_out [N, K] (with their scales and row sums) from w [R, K]

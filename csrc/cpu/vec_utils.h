@@ -22,7 +22,17 @@
 #include <limits>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace flashrl_native {
+
+#if defined(CPU_CAPABILITY_AVX2)
+// acc += v (int32 lanes) in place: written as an intrinsic, GCC 12 keeps the sum in a fresh register and copies it
+// back (a vmovdqa per product in the W8A8 loops, as with the VNNI tiles' dot products in qlinear_packed.cpp)
+inline void add_into(__m256i& acc, __m256i v) { asm("vpaddd %1, %0, %0" : "+x"(acc) : "x"(v)); }
+#endif
 
 using Vec = at::vec::Vectorized<float>;
 inline constexpr int64_t kW = Vec::size();

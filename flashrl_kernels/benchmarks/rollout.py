@@ -29,7 +29,7 @@ Engines (`--engines`, default bf16,vllm_w8a8,flashrl_int8,flashrl_fp8):
                 the linear kernel vLLM's W8A8 engine runs on AMX Xeons, measured on this CPU (opt-in)
   flashrl_int8  flashrl_fp8   the plugin's engines on the bf16 checkpoint, `--quant-options` applied
   flashrl_int8_plain          flashrl_int8 with weight_layout "plain": the plain-layout W8A8 kernel instead of the
-                VNNI-packed one (opt-in; to compare the two)
+                packed one (opt-in; to compare the two)
 `--kv-cache-dtype auto,fp8` runs every engine under each KV cache dtype, as rows of their own
 (`flashrl_int8+kv_fp8`).
 Engine mode: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), all alive at once and timed interleaved:

@@ -6,8 +6,8 @@
 - scaled_linear (csrc/cpu/qlinear.cpp) reads the int8 / fp8 weight in its plain [N, K]
   layout and widens it in registers (nothing is prepacked, so in-place weight syncs are
   seen by the next call):
-  * activation_quant with int8 weights on an AVX-512 VNNI CPU: dynamic per-token W8A8
-    with integer dot products (vpdpbusd);
+  * activation_quant with int8 weights on an AVX-512 VNNI or AVX2 build: dynamic per-token
+    W8A8 with integer dot products (vpdpbusd; vpmaddwd on AVX2);
   * otherwise weight-only: bf16 dot products (AVX-512 BF16) or fp32 FMAs (AVX-512 / AVX2);
     bf16 tokens from qlinear_capabilities()['bf16_brgemm_min_m'] on (AMX-BF16 CPUs) go through
     oneDNN's bf16 brgemm on the same rows, widened per block (also the bf16 head's bf16_linear);
@@ -15,11 +15,12 @@
     the weight-only kernel).
   Portable (DEFAULT) builds and unusual layouts use ATen's dequantize-and-GEMM, shared with
   the torch backend.
-- The VNNI-packed W8A8 linear (csrc/cpu/qlinear_packed.cpp), for weights that a quantized
-  layer owns (the vLLM plugin's INT8 layers on AVX-512 VNNI CPUs): the codes live in the
-  layout the kernel reads (lanes along the output rows), written there directly by
-  quantize_rows_packed_ at every load and sync, with each row's code sum beside them;
-  oneDNN's brgemm runs the same bytes on AMX-INT8 tiles. See docs/native.md.
+- The packed W8A8 linear (csrc/cpu/qlinear_packed.cpp), for weights that a quantized
+  layer owns (the vLLM plugin's W8A8 INT8 layers on AVX-512 VNNI and AVX2 CPUs): the codes
+  live in the layout the kernel reads (lanes along the output rows, blocks of 64 rows on
+  AVX-512, 8 on AVX2), written there directly by quantize_rows_packed_ at every load and
+  sync, with each row's code sum beside them; oneDNN's brgemm runs the same bytes on
+  AMX-INT8 tiles. See docs/native.md.
 """
 from __future__ import annotations
 
@@ -123,28 +124,33 @@ def direct_bf16_linear(w: torch.Tensor):
     return torch.ops.flashrl_native.bf16_linear
 
 
-# ---------------------------------------------------------------- the VNNI-packed W8A8 linear
+# ---------------------------------------------------------------- the packed W8A8 linear
 
-PACK_ROWS = 64  # output rows per packed block; the packed layout needs N % 64 == 0 and K % 4 == 0
+_PACKED_KERNELS = {0: None, 1: "avx2", 2: "avx512_vnni"}
 
 
 @functools.cache
 def packed_w8a8_capabilities() -> dict:
-    """{'vnni': the packed kernel runs here, 'amx': AMX-INT8 tiles granted to this process,
-    'brgemm_min_m': tokens from which a call runs oneDNN's brgemm (0: never)}.
+    """{'kernel': the packed W8A8 kernel that runs here ('avx512_vnni': vpdpbusd tiles, 'avx2': vpmaddwd tiles,
+    None: none, as on AVX-512 without VNNI and portable builds), 'available': kernel is not None,
+    'pack_rows': rows per block of its layout (a packed weight's N must be a multiple; K of 4),
+    'amx': AMX-INT8 tiles granted to this process, 'brgemm_min_m': tokens from which a call runs oneDNN's brgemm
+    (0: never)}.
 
     FLASHRL_NATIVE_PACKED=0 reports the kernel as unavailable (quantized layers then keep the plain layout)."""
     import os
 
-    vnni, amx, min_m = torch.ops.flashrl_native.qlinear_packed_caps()
-    return {"vnni": bool(vnni) and os.environ.get("FLASHRL_NATIVE_PACKED", "1") != "0", "amx": bool(amx),
+    kernel, amx, min_m, pack_rows = torch.ops.flashrl_native.qlinear_packed_caps()
+    name = _PACKED_KERNELS[int(kernel)] if os.environ.get("FLASHRL_NATIVE_PACKED", "1") != "0" else None
+    return {"kernel": name, "available": name is not None, "pack_rows": int(pack_rows), "amx": bool(amx),
             "brgemm_min_m": int(min_m)}
 
 
 def packed_w8a8_fits(shape) -> bool:
     """Whether an int8 weight of this [N, K] shape can be stored packed for the W8A8 kernel on this CPU."""
     n, k = shape
-    return packed_w8a8_capabilities()["vnni"] and n % PACK_ROWS == 0 and k % 4 == 0 and 0 < k <= _W8A8_MAX_K
+    caps = packed_w8a8_capabilities()
+    return caps["available"] and n % caps["pack_rows"] == 0 and k % 4 == 0 and 0 < k <= _W8A8_MAX_K
 
 
 def quantize_rows_packed_(w2d: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, comp: torch.Tensor, row0: int,

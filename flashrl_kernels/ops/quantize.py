@@ -268,7 +268,7 @@ def direct_bf16_linear(w: Tensor):
 
 
 def direct_packed_w8a8(q: Tensor) -> bool:
-    """Whether the native VNNI-packed W8A8 kernel (torch.ops.flashrl_native.qlinear_packed) can compute a layer
+    """Whether the native packed W8A8 kernel (torch.ops.flashrl_native.qlinear_packed) can compute a layer
     whose int8 CPU weight has q's shape when the layer stores it packed: the native backend is selected and the
     CPU and shape fit (see flashrl_kernels.native.quantize.packed_w8a8_fits)."""
     if q.dtype != torch.int8 or q.dim() != 2 or not _native_selected(q):

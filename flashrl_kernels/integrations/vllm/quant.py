@@ -3,10 +3,10 @@
 Every linear layer (column, row, QKV, merged gate/up) gets
   weight        [out, in]  torch.int8 or torch.float8_e4m3fn   (a vLLM ModelWeightParameter)
   weight_scale  [out]      fp32, one scale per output row      (a buffer)
-and no bf16 copy. INT8 layers that run the native W8A8 kernel on an AVX-512 VNNI CPU
-(activation mode "auto" or "dynamic"; out % 64 == 0, in % 4 == 0) store their codes in
-that kernel's VNNI-packed order instead (the same bytes permuted, same shape; see
-docs/native.md), plus
+and no bf16 copy. INT8 layers that run the native W8A8 kernel on an AVX-512 VNNI or AVX2
+CPU (activation mode "auto" or "dynamic"; out % 64 == 0 on AVX-512, % 8 on AVX2; in % 4 == 0)
+store their codes in that kernel's packed order instead (the same bytes permuted, same
+shape; see docs/native.md), plus
   weight_comp   [out]      int32, each row's code sum           (a buffer)
 written with the codes by the same loader; `logical_weight(layer)` reads the codes back
 in [out, in] order. The weight's loader takes the bf16/fp32 tensor that vLLM's
@@ -69,7 +69,7 @@ _ACT_QUANT = ("auto", "dynamic", "none")
 OPTIONS = {
     "activation_quant": '"auto" (default), "dynamic" or "none"',
     "quantize_lm_head": "false (default) or true",
-    "weight_layout": '"auto" (default: VNNI-packed where the native W8A8 kernel runs) or "plain"',
+    "weight_layout": '"auto" (default: packed where the native W8A8 kernel runs) or "plain"',
 }
 _LAYOUTS = ("auto", "plain")
 
@@ -117,7 +117,7 @@ def prepare_layer(layer: torch.nn.Module, mode: str) -> None:
 
 
 def _packed_layout(weight: torch.Tensor, mode: str) -> bool:
-    """Whether a new quantized weight is stored VNNI-packed: int8 on the CPU, W8A8 in this mode, and the native
+    """Whether a new quantized weight is stored packed: int8 on the CPU, W8A8 in this mode, and the native
     packed kernel selected and fitting its shape. Decided once, when the layer is built (it fixes the layout)."""
     if weight.dtype != torch.int8 or weight.device.type != "cpu" or not use_activation_quant(mode, weight):
         return False
@@ -127,7 +127,7 @@ def _packed_layout(weight: torch.Tensor, mode: str) -> bool:
 
 
 def is_packed(layer: torch.nn.Module) -> bool:
-    """Whether `layer`'s quantized weight is stored in the native W8A8 kernel's VNNI-packed order."""
+    """Whether `layer`'s quantized weight is stored in the native W8A8 kernel's packed order."""
     return getattr(layer, "weight_comp", None) is not None
 
 
@@ -479,12 +479,12 @@ class FlashRLQuantizedEmbeddingMethod(QuantizeMethodBase):
 
 class FlashRLQuantConfig(QuantizationConfig):
     """Options (hf_overrides={"quantization_config_dict_json": json.dumps({...})}):
-    activation_quant: "auto" (dynamic per-token W8A8 on CUDA, weight-only elsewhere),
-                      "dynamic" or "none".
+    activation_quant: "auto" (dynamic per-token W8A8 for INT8 on CUDA and on CPUs whose native build has integer
+                      dot products: AVX-512 VNNI, AVX2; weight-only elsewhere and for FP8), "dynamic" or "none".
     quantize_lm_head: False (default: embeddings and LM head in the model dtype) or True
                       (INT8/FP8 LM head; a tied input embedding shares its quantized table).
-    weight_layout:    "auto" (INT8 W8A8 layers on AVX-512 VNNI CPUs store their codes in the packed kernel's
-                      order) or "plain" (always [out, in] rows: the plain-layout kernel, e.g. to compare the two).
+    weight_layout:    "auto" (INT8 W8A8 layers on AVX-512 VNNI and AVX2 CPUs store their codes in the packed
+                      kernel's order) or "plain" (always [out, in] rows: the plain-layout kernel, e.g. to compare the two).
     """
 
     weight_dtype: torch.dtype = torch.int8

@@ -1,4 +1,5 @@
-// W8A8 INT8 linear on VNNI-packed weights: the rollout engine's linear layers on AVX-512 VNNI CPUs.
+// W8A8 INT8 linear on packed weights: the rollout engine's linear layers on AVX-512 VNNI CPUs (below) and AVX2
+// CPUs (the vpmaddwd tiles at the end, on 8-row blocks: packed_layout.h).
 //
 //   y[m, n] = (sum_k xq[m, k] * q[n, k]) * scale[n] * xs[m] + bias[n]        (output in x's dtype)
 //
@@ -277,7 +278,8 @@ void drive_brgemm(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_
 // load of a k-group holds 4 k of 4 rows; sign-extended (vpmovsxbw) it meets the token's 4 codes broadcast as one
 // 64-bit lane (vpbroadcastq): 8 int32 sums, two per row (k 0-1 and k 2-3), added pairwise once per tile (vphaddd).
 // Against the plain-layout kernel a widened weight vector serves MT tokens and a token load is 8 bytes instead of
-// 32, so a tile reads a third of the bytes per product, and no output needs a horizontal sum over K.
+// 32 (a 4 x 8 tile loads 64 bytes per 8 vpmaddwd, the plain 4 x 2 tile 160), and no output needs a horizontal
+// sum over K.
 
 struct Epilogue8 {
   const float* xs;  // [M] token scales
@@ -293,8 +295,7 @@ inline void store8(Out* dst, __m256 v) {
   } else if constexpr (std::is_same_v<Out, c10::Half>) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   } else {
-    const at::vec::Vectorized<float> f(v);
-    at::vec::convert_from_float<c10::BFloat16>(f, f).store(dst, 8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), at::vec::cvtfp32_bf16(v));
   }
 }
 
@@ -381,8 +382,8 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), op, ": x [M, K] and q [N, K], got ", x.sizes(),
               " and ", q.sizes());
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.size(0) % kPackRows == 0 && q.size(1) % 4 == 0,
-              op, ": q must be a contiguous int8 [N, K] in the packed layout (N % ", kPackRows, " == 0, K % 4 == 0), got ",
-              q.sizes());
+              op, ": q must be a contiguous int8 [N, K] in the packed layout (N % ", kPackRows,
+              " == 0, K % 4 == 0), got ", q.sizes());
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu() && comp.device().is_cpu(), op,
               ": CPU tensors only");
   const auto xt = x.scalar_type();

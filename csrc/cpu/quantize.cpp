@@ -6,7 +6,7 @@
 //   int8: q_j = clamp(round_half_even(y_j), -128, 127), NaN -> 0;
 //   fp8:  q_j = e4m3fn(clamp(y_j, -448, 448)), round to nearest even;  zero rows: q = +0.
 // quantize_rows_counted also counts the codes that changed (what a weight sync reports).
-// quantize_rows_packed writes the same codes into the VNNI-packed layout of the W8A8 linear (see below).
+// quantize_rows_packed writes the same codes into the packed layout of the W8A8 linear (packed_layout.h).
 // Two passes over each row (its max, then the quotients), rows spread over threads; a row
 // of a 4096-wide bf16 weight is 8 KiB, so the second pass reads from L1/L2.
 // The fp32 -> e4m3fn conversion is ATen's vectorised one on AVX-512 (the same algorithm as

@@ -1,5 +1,5 @@
 // Per-token dynamic INT8 quantization of activations for the native W8A8 linears (qlinear.cpp on plain
-// weights, qlinear_packed.cpp on VNNI-packed ones): the spec's quantize_per_token, vectorised (AVX-512: s8 / u8
+// weights, qlinear_packed.cpp on packed ones): the spec's quantize_per_token, vectorised (AVX-512: s8 / u8
 // codes for vpdpbusd and oneDNN; AVX2: int16 codes for vpmaddwd).
 #pragma once
 

@@ -35,8 +35,12 @@ static double now(void) {
 #define UBS_WD_ADD(s1, s2, t, acc)                                                         \
   "vpmaddubsw %%ymm" #s1 ",%%ymm" #s2 ",%%ymm" #t "\n vpmaddwd %%ymm15,%%ymm" #t ",%%ymm" #t \
   "\n vpaddd %%ymm" #t ",%%ymm" #acc ",%%ymm" #acc "\n"
-#define DPBUSD_Y(s1, s2, acc) "%{vex%} vpdpbusd %%ymm" #s1 ",%%ymm" #s2 ",%%ymm" #acc "\n"
-#define DPBUSD_Z(s1, s2, acc) "vpdpbusd %%zmm" #s1 ",%%zmm" #s2 ",%%zmm" #acc "\n"
+#define DPBUSD_Y(s1, s2, t, acc) "%{vex%} vpdpbusd %%ymm" #s1 ",%%ymm" #s2 ",%%ymm" #acc "\n"
+#define DPBUSD_Z(s1, s2, t, acc) "vpdpbusd %%zmm" #s1 ",%%zmm" #s2 ",%%zmm" #acc "\n"
+/* the 8 chains every 2-instruction mix runs: (source, source, temporary, accumulator) */
+#define CHAINS8(OP)                                                                                    \
+  OP(8, 9, 12, 0) OP(8, 10, 13, 1) OP(8, 11, 14, 2) OP(9, 10, 15, 3) OP(9, 11, 12, 4) OP(10, 11, 13, 5) \
+  OP(8, 8, 14, 6) OP(9, 9, 15, 7)
 
 int main(void) {
   __builtin_cpu_init();
@@ -44,27 +48,19 @@ int main(void) {
     puts("no AVX2 on this CPU");
     return 0;
   }
-  RUN("vpmaddwd + vpaddd (exact, 16 MAC)",
-      MADD_ADD(8, 9, 12, 0) MADD_ADD(8, 10, 13, 1) MADD_ADD(8, 11, 14, 2) MADD_ADD(9, 10, 15, 3)
-      MADD_ADD(9, 11, 12, 4) MADD_ADD(10, 11, 13, 5) MADD_ADD(8, 8, 14, 6) MADD_ADD(9, 9, 15, 7), 8 * 16, 16);
+  RUN("vpmaddwd + vpaddd (exact, 16 MAC)", CHAINS8(MADD_ADD), 8 * 16, 16);
   RUN("vpmaddubsw + vpmaddwd(1) + vpaddd (sat., 32)",
       UBS_WD_ADD(8, 9, 12, 0) UBS_WD_ADD(8, 10, 13, 1) UBS_WD_ADD(8, 11, 14, 2) UBS_WD_ADD(9, 10, 12, 3),
       4 * 32, 12);
-  RUN("vpmaddubsw + vpaddw (sat. int16, 32 MAC)",
-      UBS_ADDW(8, 9, 12, 0) UBS_ADDW(8, 10, 13, 1) UBS_ADDW(8, 11, 14, 2) UBS_ADDW(9, 10, 15, 3)
-      UBS_ADDW(9, 11, 12, 4) UBS_ADDW(10, 11, 13, 5) UBS_ADDW(8, 8, 14, 6) UBS_ADDW(9, 9, 15, 7), 8 * 32, 16);
+  RUN("vpmaddubsw + vpaddw (sat. int16, 32 MAC)", CHAINS8(UBS_ADDW), 8 * 32, 16);
 #if defined(__GNUC__) && __GNUC__ >= 11
   if (__builtin_cpu_supports("avxvnni"))
-    RUN("{vex} vpdpbusd ymm (AVX-VNNI, exact, 32 MAC)",
-        DPBUSD_Y(8, 9, 0) DPBUSD_Y(8, 10, 1) DPBUSD_Y(8, 11, 2) DPBUSD_Y(9, 10, 3) DPBUSD_Y(9, 11, 4)
-        DPBUSD_Y(10, 11, 5) DPBUSD_Y(8, 8, 6) DPBUSD_Y(9, 9, 7), 8 * 32, 8);
+    RUN("{vex} vpdpbusd ymm (AVX-VNNI, exact, 32 MAC)", CHAINS8(DPBUSD_Y), 8 * 32, 8);
   else
     puts("(no AVX-VNNI: vpdpbusd ymm not run)");
 #endif
   if (__builtin_cpu_supports("avx512vnni"))
-    RUN("vpdpbusd zmm (AVX-512 VNNI, exact, 64 MAC)",
-        DPBUSD_Z(8, 9, 0) DPBUSD_Z(8, 10, 1) DPBUSD_Z(8, 11, 2) DPBUSD_Z(9, 10, 3) DPBUSD_Z(9, 11, 4)
-        DPBUSD_Z(10, 11, 5) DPBUSD_Z(8, 8, 6) DPBUSD_Z(9, 9, 7), 8 * 64, 8);
+    RUN("vpdpbusd zmm (AVX-512 VNNI, exact, 64 MAC)", CHAINS8(DPBUSD_Z), 8 * 64, 8);
   else
     puts("(no AVX-512 VNNI: vpdpbusd zmm not run)");
   double t = now();

@@ -1,9 +1,14 @@
-"""Where the native CPU linears should switch from their tiles to oneDNN's brgemm, measured on this CPU.
+"""Which driver the native CPU linears should run at each token count, measured on this CPU.
 
     python bench/cpu_linear_dispatch.py                        # M = 1 4 8 16 32 64 512, 3 rounds
     python bench/cpu_linear_dispatch.py --m 8,32 --rounds 5 --json dispatch.json
     python bench/cpu_linear_dispatch.py --layers 4             # scaled down (fewer layers, same shapes)
     python bench/cpu_linear_dispatch.py --vocab 32000          # another LM head size
+
+On AVX-512 VNNI / BF16 CPUs (the AVX-512 build): the tiles against oneDNN's brgemm, below. On AVX2 builds: the
+packed W8A8 kernel's two tile sets, vpmaddwd against AVX-VNNI's ymm vpdpbusd (FLASHRL_NATIVE_CPU_DISABLE=avxvnni
+runs the former; on a CPU without AVX-VNNI the latter runs emulated, FLASHRL_NATIVE_EMULATE=avxvnni: a check of
+the tiles' structure, not a speed path), int8 layers only.
 
 Times the linears of one forward of Qwen2.5-0.5B's shapes (--layers x qkv 1152 x 896, o 896 x 896,
 gate_up 9728 x 896, down 896 x 4864; and the 151936 x 896 LM head) for M tokens, as the rollout engines
@@ -34,10 +39,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down (out, in)
 HIDDEN = 896
 KERNELS = ("int8", "fp8", "head")
-DRIVERS = {"tiles": "0", "brgemm": "1"}  # both thresholds, per process
+# the environment of each driver's processes: both brgemm thresholds (AVX-512 builds)
+DRIVERS = {"tiles": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0"},
+           "brgemm": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1"}}
 
 
-def _child(ms: list[int], layers: int, vocab: int, repeats: int) -> dict:
+def avx2_drivers(cpu_has_avx_vnni: bool) -> dict[str, dict[str, str]]:
+    """The AVX2 build's two packed W8A8 tile sets (avx2: vpmaddwd), each as the environment that selects it (the second
+    one emulated where the CPU lacks AVX-VNNI)."""
+    vnni = {} if cpu_has_avx_vnni else {"FLASHRL_NATIVE_EMULATE": "avxvnni"}
+    return {"avx2": {"FLASHRL_NATIVE_CPU_DISABLE": "avxvnni", "FLASHRL_NATIVE_EMULATE": ""},
+            "avx_vnni" if cpu_has_avx_vnni else "avx_vnni_emulated": vnni}
+
+
+def _child(ms: list[int], layers: int, vocab: int, repeats: int, kernels: tuple[str, ...]) -> dict:
     import torch
 
     from flashrl_kernels import _native
@@ -58,10 +73,11 @@ def _child(ms: list[int], layers: int, vocab: int, repeats: int) -> dict:
         quantize_rows_packed_(w, q, s, c, 0)
         int8.append((q, s, c))
         fp8.append(_quantize_rows(w, torch.float8_e4m3fn))
-    head = torch.empty(vocab, HIDDEN).normal_(0, 0.05).bfloat16()
+    head = torch.empty(vocab if "head" in kernels else 1, HIDDEN).normal_(0, 0.05).bfloat16()
     # what this process runs: the parent checks that the two drivers really differ
     out = {"caps": {"int8": packed_w8a8_capabilities()["brgemm_min_m"],
-                    "bf16": qlinear_capabilities()["bf16_brgemm_min_m"]}}
+                    "bf16": qlinear_capabilities()["bf16_brgemm_min_m"],
+                    "packed": packed_w8a8_capabilities()["kernel"]}}
     for m in ms:
         xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES} | {HIDDEN}}
         runs = {
@@ -71,7 +87,7 @@ def _child(ms: list[int], layers: int, vocab: int, repeats: int) -> dict:
             "head": lambda xs=xs: torch.ops.flashrl_native.bf16_linear(xs[HIDDEN], head, None),
         }
         res = {}
-        for name, fn in runs.items():
+        for name, fn in ((k, runs[k]) for k in kernels):
             fn()  # warm: brgemm kernels are generated on first use
             ts = []
             for _ in range(repeats):
@@ -83,23 +99,27 @@ def _child(ms: list[int], layers: int, vocab: int, repeats: int) -> dict:
     return out
 
 
-def _run_child(driver: str, ms: list[int], layers: int, vocab: int, repeats: int) -> dict:
-    env = {**os.environ, "FLASHRL_NATIVE_BRGEMM_MIN_M": DRIVERS[driver],
-           "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": DRIVERS[driver]}
+def _run_child(driver: str, env: dict[str, str], ms: list[int], layers: int, vocab: int, repeats: int,
+               kernels: tuple[str, ...]) -> dict:
     cmd = [sys.executable, __file__, "--child", "--m", ",".join(map(str, ms)), "--layers", str(layers),
-           "--vocab", str(vocab), "--repeats", str(repeats)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+           "--vocab", str(vocab), "--repeats", str(repeats), "--kernels", ",".join(kernels)]
+    r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise SystemExit(f"{driver} run failed:\n{r.stdout[-2000:]}{r.stderr[-4000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    want = 1 if driver == "brgemm" else 0
-    if out.pop("caps") != {"int8": want, "bf16": want}:
-        raise SystemExit(f"the {driver} process did not run the {driver} driver (thresholds ignored on this CPU?)")
+    caps = out.pop("caps")
+    if driver in ("tiles", "brgemm"):
+        want = 1 if driver == "brgemm" else 0
+        ran = caps["int8"] == want and caps["bf16"] == want
+    else:
+        ran = caps["packed"] == driver
+    if not ran:
+        raise SystemExit(f"the {driver} process did not run the {driver} driver ({caps}; ignored on this CPU?)")
     return out
 
 
 def threshold(ms: list[int], ratios: dict[int, float]) -> int:
-    """The smallest M from which brgemm (ratio < 1: less time) won at every larger M; 0 when it never did."""
+    """The smallest M from which the second driver (ratio < 1: less time) won at every larger M; 0 when it never did."""
     best = 0
     for m in sorted(ms, reverse=True):
         if ratios[m] >= 1.0:
@@ -117,45 +137,53 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=151936, help="LM head rows (hidden size 896)")
     ap.add_argument("--json", help="write the raw times here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kernels", default=",".join(KERNELS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     ms = sorted({int(v) for v in args.m.split(",") if v.strip()})
     if args.child:
-        print(json.dumps(_child(ms, args.layers, args.vocab, args.repeats)))
+        print(json.dumps(_child(ms, args.layers, args.vocab, args.repeats, tuple(args.kernels.split(",")))))
         return 0
 
-    from flashrl_kernels._cpu import cpu_name, isa_flags
+    from flashrl_kernels._cpu import cpu_flags, cpu_name, isa_flags
     from flashrl_kernels.native.quantize import packed_w8a8_capabilities, qlinear_capabilities
 
     print(f"CPU: {cpu_name()}; flags: {' '.join(isa_flags())}; threads: {os.cpu_count()}")
-    print(f"defaults here: int8 brgemm from {packed_w8a8_capabilities()['brgemm_min_m'] or 'never'}, "
+    packed = packed_w8a8_capabilities()["kernel"]
+    print(f"packed W8A8 kernel here: {packed}; int8 brgemm from {packed_w8a8_capabilities()['brgemm_min_m'] or 'never'}, "
           f"bf16 brgemm from {qlinear_capabilities()['bf16_brgemm_min_m'] or 'never'}")
-    if packed_w8a8_capabilities()["kernel"] != "avx512_vnni" or not qlinear_capabilities()["bf16_dot"]:
-        print("this CPU lacks AVX-512 VNNI / BF16: the tiles are the only drivers here")
+    if packed in ("avx2", "avx_vnni"):
+        drivers, kernels = avx2_drivers("avx_vnni" in cpu_flags()), ("int8",)
+    elif packed == "avx512_vnni" and qlinear_capabilities()["bf16_dot"]:
+        drivers, kernels = DRIVERS, KERNELS
+    else:
+        print("no second driver to compare on this CPU and build")
         return 0
-    raw = {d: [] for d in DRIVERS}
+    first, second = drivers
+    raw = {d: [] for d in drivers}
     for r in range(args.rounds):
-        for d in DRIVERS:  # alternated: a slow phase of the machine hits both drivers
+        for d, env in drivers.items():  # alternated: a slow phase of the machine hits both drivers
             t0 = time.perf_counter()
-            raw[d].append(_run_child(d, ms, args.layers, args.vocab, args.repeats))
+            raw[d].append(_run_child(d, env, ms, args.layers, args.vocab, args.repeats, kernels))
             print(f"round {r + 1}/{args.rounds} {d}: {time.perf_counter() - t0:.0f} s", flush=True)
     summary = {}
-    print(f"\n{args.layers} layers + {args.vocab} x {HIDDEN} head; ms per call of the set, median over {args.rounds} rounds; "
-          "brgemm / tiles per round (< 1: brgemm faster)")
-    print("| kernel | M | tiles ms | brgemm ms | brgemm / tiles per round |")
+    head = f" + {args.vocab} x {HIDDEN} head" if "head" in kernels else ""
+    print(f"\n{args.layers} layers{head}; ms per call of the set, median over {args.rounds} rounds; "
+          f"{second} / {first} per round (< 1: {second} faster)")
+    print(f"| kernel | M | {first} ms | {second} ms | {second} / {first} per round |")
     print("|---|---|---|---|---|")
-    for k in KERNELS:
+    for k in kernels:
         ratios = {}
         for m in ms:
-            t = [run[str(m)][k] for run in raw["tiles"]]
-            b = [run[str(m)][k] for run in raw["brgemm"]]
+            t = [run[str(m)][k] for run in raw[first]]
+            b = [run[str(m)][k] for run in raw[second]]
             per = [bb / tt for tt, bb in zip(t, b)]
             ratios[m] = statistics.median(per)
             print(f"| {k} | {m} | {statistics.median(t):.2f} | {statistics.median(b):.2f} | "
                   f"{' '.join(f'{p:.2f}' for p in per)} |")
-        summary[k] = {"median_ratio": ratios, "brgemm_from": threshold(ms, ratios)}
-    for k in KERNELS:
-        frm = summary[k]["brgemm_from"]
-        print(f"{k}: brgemm won from M = {frm} on" if frm else f"{k}: the tiles won (or tied) at the largest M")
+        summary[k] = {"median_ratio": ratios, f"{second}_from": threshold(ms, ratios)}
+    for k in kernels:
+        frm = summary[k][f"{second}_from"]
+        print(f"{k}: {second} won from M = {frm} on" if frm else f"{k}: {first} won (or tied) at the largest M")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "flags": isa_flags(), "layers": args.layers,
                                                "vocab": args.vocab, "raw": raw, "summary": summary}, indent=1))

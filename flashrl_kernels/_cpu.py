@@ -18,7 +18,7 @@ import functools
 import platform
 import threading
 
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+ISA_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
 
 _SYS_ARCH_PRCTL = 158  # x86_64
 _ARCH_GET_XCOMP_PERM = 0x1022

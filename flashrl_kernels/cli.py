@@ -69,8 +69,10 @@ def _quantized_linear_line() -> str:
     from flashrl_kernels.native.quantize import packed_w8a8_capabilities, qlinear_capabilities
 
     caps, packed = qlinear_capabilities(), packed_w8a8_capabilities()
-    if packed["kernel"] == "avx2":
-        return "INT8 W8A8 linear: packed weights, AVX2 tiles (vpmaddwd)"
+    avx2_tiles = {"avx2": "AVX2 tiles (vpmaddwd)", "avx_vnni": "AVX-VNNI tiles (ymm vpdpbusd)",
+                  "avx_vnni_emulated": "AVX-VNNI tiles emulated with AVX2 (FLASHRL_NATIVE_EMULATE; a test mode, slow)"}
+    if packed["kernel"] in avx2_tiles:
+        return f"INT8 W8A8 linear: packed weights, {avx2_tiles[packed['kernel']]}"
     if packed["kernel"]:
         brgemm = (f"oneDNN brgemm ({'AMX-INT8 tiles' if packed['amx'] else 'VNNI'}) from {packed['brgemm_min_m']} "
                   "tokens" if packed["brgemm_min_m"] else "no brgemm")

@@ -83,6 +83,19 @@ _CAPABILITY_SCRIPT = textwrap.dedent("""
             raise AssertionError("bf16_linear ran on a portable build")
         except RuntimeError as e:
             assert "AVX2 or AVX-512" in str(e)
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities, quantize_rows_packed_, unpack_rows
+    packed = packed_w8a8_capabilities()
+    out["packed_kernel"] = packed["kernel"]
+    if packed["available"]:  # the packed W8A8 linear of this build (AVX2: vpmaddwd, or AVX-VNNI where the CPU has it)
+        n, k = 3 * packed["pack_rows"], 100
+        q = torch.empty(n, k, dtype=torch.int8); s = torch.empty(n); c = torch.empty(n, dtype=torch.int32)
+        quantize_rows_packed_(torch.randn(n, k), q, s, c, 0)
+        for m in (1, 3, 6, 37):
+            x, b = torch.randn(m, k).bfloat16(), torch.randn(n)
+            y = torch.ops.flashrl_native.qlinear_packed(x, q, s, c, b)
+            assert torch.equal(y, torch.ops.flashrl_native.qlinear(x, unpack_rows(q), s, b, True)), m
+            ref = scaled_linear_spec(x, unpack_rows(q), s, b, True)
+            assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max(), m
     print(json.dumps(out))
 """)
 
@@ -121,6 +134,10 @@ def test_other_cpu_capability_builds_vs_spec(capability, tmp_path):
         env["FLASHRL_CACHE_DIR"] = str(tmp_path)
     out = _run_script(_CAPABILITY_SCRIPT.format(tests=os.path.dirname(__file__)), env)
     assert out["capability"] == {"avx2": "AVX2", "default": "DEFAULT"}[capability]
+    from flashrl_kernels._cpu import cpu_flags
+
+    avx_vnni = "avx_vnni" in cpu_flags() and "avxvnni" not in os.environ.get("FLASHRL_NATIVE_CPU_DISABLE", "")
+    assert out["packed_kernel"] == {"avx2": "avx_vnni" if avx_vnni else "avx2", "default": None}[capability], out
     if reuse:
         assert out["cached"] and out["library"] == str(_native.native_status().library), out
         return

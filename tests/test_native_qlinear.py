@@ -321,8 +321,8 @@ def test_avx512_fallbacks_without_bf16_and_vnni():
 
 
 def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path):
-    """bench/cpu_linear_dispatch.py (how a session sets the brgemm thresholds of a CPU class): a tiny real run,
-    and its threshold rule."""
+    """bench/cpu_linear_dispatch.py (how a session sets the brgemm thresholds of a CPU class, or compares the AVX2
+    build's vpmaddwd and AVX-VNNI tiles): a tiny real run, and its threshold rule."""
     import json
     import os
     import subprocess
@@ -338,19 +338,27 @@ def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path):
     assert bench.threshold([1, 8, 32, 256], {1: 1.5, 8: 0.9, 32: 0.8, 256: 0.7}) == 8
     assert bench.threshold([1, 8, 32, 256], {1: 0.5, 8: 1.1, 32: 0.8, 256: 0.7}) == 32  # won at every larger M
     assert bench.threshold([1, 8], {1: 0.9, 8: 1.0}) == 0
-    if not (_caps()["bf16_dot"] and _caps()["w8a8"]):
-        pytest.skip("no AVX-512 VNNI / BF16 here: the tiles are the only drivers")
+    from flashrl_kernels._cpu import cpu_flags
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities
+
+    if packed_w8a8_capabilities()["kernel"] in ("avx2", "avx_vnni"):  # the AVX2 build's two tile sets, int8 only
+        drivers, kernels = list(bench.avx2_drivers("avx_vnni" in cpu_flags())), ("int8",)
+    elif _caps()["bf16_dot"] and _caps()["w8a8"]:
+        drivers, kernels = ["tiles", "brgemm"], ("int8", "fp8", "head")
+    else:
+        pytest.skip("AVX-512 without VNNI / BF16: no second driver to compare")
     out = tmp_path / "dispatch.json"
     r = subprocess.run([sys.executable, str(root / "bench" / "cpu_linear_dispatch.py"), "--layers", "1", "--vocab",
                         "256", "--m", "3,20", "--rounds", "1", "--repeats", "1", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ), check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
-    for driver in ("tiles", "brgemm"):
+    assert list(res["raw"]) == drivers
+    for driver in drivers:
         (run,) = res["raw"][driver]
-        assert all(run[m][k] > 0 for m in ("3", "20") for k in ("int8", "fp8", "head"))
-    assert set(res["summary"]) == {"int8", "fp8", "head"}
-    assert "| head | 20 |" in r.stdout
+        assert set(run["3"]) == set(kernels) and all(run[m][k] > 0 for m in ("3", "20") for k in kernels)
+    assert set(res["summary"]) == set(kernels)
+    assert f"| {kernels[-1]} | 20 |" in r.stdout
 
 
 def test_int8_modes_bench_measures_both_modes(tmp_path):

@@ -1,5 +1,5 @@
 """The packed W8A8 linear (csrc/cpu/qlinear_packed.cpp: AVX-512 VNNI tiles in 64-row blocks, AVX2 vpmaddwd tiles in
-8-row blocks) and the quantizer that writes its layout.
+8-row blocks, AVX-VNNI ymm vpdpbusd tiles on the same 8-row blocks) and the quantizer that writes its layout.
 
 flashrl_native::quantize_rows_packed must give exactly quantize_rows' codes and scales (in the packed order, with
 each row's code sum); flashrl_native::qlinear_packed must equal the plain-layout W8A8 kernel bit for bit (same
@@ -184,6 +184,101 @@ def test_brgemm_driver_equals_the_tiles(tmp_path):
     q, s, c = saved["q"], saved["s"], saved["c"]
     for x, b, y_brgemm in saved["cases"]:
         assert torch.equal(torch.ops.flashrl_native.qlinear_packed(x, q, s, c, b), y_brgemm), (x.shape, x.dtype)
+
+
+_EMULATED_AVX_VNNI = textwrap.dedent("""
+    import sys, torch
+    from flashrl_kernels import _native
+    _native.native_status(load=True)
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities, quantize_rows_packed_
+    assert packed_w8a8_capabilities()["kernel"] == "avx_vnni_emulated", packed_w8a8_capabilities()
+    g = torch.Generator().manual_seed(9)
+    weights, cases = [], []
+    for n, k in ((8, 4), (24, 12), (72, 36), (200, 900), (64, 1028)):
+        q = torch.empty(n, k, dtype=torch.int8); s = torch.empty(n); c = torch.empty(n, dtype=torch.int32)
+        quantize_rows_packed_(torch.randn(n, k, generator=g), q, s, c, 0)
+        weights.append((q, s, c))
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 300):
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                x, b = (torch.randn(m, k, generator=g) * 3).to(dt), torch.randn(n, generator=g)
+                x[m // 2] = 0.0  # a zero token: its u8 codes are all 128, offset by the row sums to 0
+                if m > 2:
+                    x[m - 1, k // 2] = float("nan")
+                for bias in (None, b):
+                    cases.append((len(weights) - 1, x, bias, torch.ops.flashrl_native.qlinear_packed(x, q, s, c, bias)))
+    # K = 65536 with the largest codes: (u8 + 128) x s8 sums and the offset exact in int32
+    k = 65536
+    w = torch.where(torch.rand(16, k, generator=g) < 0.5, -127.0, 127.0)
+    w[::2] = 127.0
+    q = torch.empty(16, k, dtype=torch.int8); s = torch.empty(16); c = torch.empty(16, dtype=torch.int32)
+    quantize_rows_packed_(w, q, s, c, 0)
+    x = torch.where(torch.rand(3, k, generator=g) < 0.5, -127.0, 127.0)
+    x[0] = 127.0
+    exact = torch.equal(torch.ops.flashrl_native.qlinear_packed(x, q, s, c, None).double(),
+                        (x.double() @ w.double().T).float().double())
+    torch.save({"weights": weights, "cases": cases, "largest_k_exact": exact}, sys.argv[1])
+""")
+
+
+def test_avx_vnni_tiles_equal_the_plain_kernel(tmp_path):
+    """The AVX-VNNI tiles (ymm vpdpbusd on AVX2 builds; Alder Lake and later client cores, Sierra Forest), run with
+    their dot products emulated by AVX2 instructions (FLASHRL_NATIVE_EMULATE=avxvnni) in a fresh process, on every
+    tile shape (4 x 2 blocks, 2 and 1 tokens x 4 blocks, single blocks) with zero and non-finite tokens: bit for
+    bit the plain-layout kernel here, and this process's packed kernel (vpmaddwd tiles, or the real AVX-VNNI
+    instruction on CPUs that have it)."""
+    if _packed().packed_w8a8_capabilities()["kernel"] not in ("avx2", "avx_vnni"):
+        pytest.skip("the AVX-VNNI tiles are the AVX2 build's (8-row blocks); this build runs the AVX-512 ones")
+    out = tmp_path / "avx_vnni.pt"
+    env = {**os.environ, "FLASHRL_NATIVE_EMULATE": "avxvnni"}
+    subprocess.run([sys.executable, "-c", _EMULATED_AVX_VNNI, str(out)], check=True, env=env, timeout=600)
+    saved = torch.load(out)
+    assert saved["largest_k_exact"]
+    assert len(saved["cases"]) == 5 * 12 * 3 * 2
+    from flashrl_kernels.native.quantize import unpack_rows
+
+    def same(a, b):  # bit for bit, NaN where NaN
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+    for i, x, bias, y in saved["cases"]:
+        q, s, c = saved["weights"][i]
+        plain = torch.ops.flashrl_native.qlinear(x, unpack_rows(q), s, bias, True)
+        assert same(y, plain), (x.shape, x.dtype, q.shape)
+        assert same(y, torch.ops.flashrl_native.qlinear_packed(x, q, s, c, bias)), (x.shape, x.dtype)
+        m = x.shape[0]
+        if m > 2:
+            assert y[m - 1].isnan().all() and y[:m - 1].isfinite().all()
+
+
+def test_avx2_build_encodes_vpdpbusd_without_evex():
+    """AVX-VNNI CPUs without AVX-512 (Alder Lake, Sierra Forest) fault on the EVEX vpdpbusd that the plain mnemonic
+    assembles to, while AVX-512 machines, where the suite may run the real instruction, would not notice: every
+    vpdpbusd in an AVX2 build's library must carry the VEX prefix."""
+    import shutil
+
+    from flashrl_kernels import _native
+
+    if _packed().packed_w8a8_capabilities()["kernel"] not in ("avx2", "avx_vnni"):
+        pytest.skip("an AVX-512 build: its vpdpbusd are EVEX, run only where AVX-512 VNNI is")
+    if not shutil.which("objdump"):
+        pytest.skip("no objdump to disassemble the library with")
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(_native.native_status().library)],
+                         check=True, capture_output=True, text=True).stdout
+    dots = [line for line in asm.splitlines() if "vpdpbusd" in line]
+    assert dots and all("{vex} vpdpbusd" in line and "%ymm" in line for line in dots), dots[:5]
+
+
+def test_avx2_build_picks_avx_vnni_where_the_cpu_has_it():
+    """On AVX2 builds the packed kernel is the AVX-VNNI tiles exactly when the CPU lists avx_vnni (and
+    FLASHRL_NATIVE_CPU_DISABLE does not hide it), else the vpmaddwd tiles."""
+    from flashrl_kernels._cpu import cpu_flags
+
+    kernel = _packed().packed_w8a8_capabilities()["kernel"]
+    if kernel not in ("avx2", "avx_vnni"):
+        pytest.skip("an AVX-512 build: the AVX-VNNI tiles are the AVX2 build's")
+    if not cpu_flags():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    hidden = "avxvnni" in os.environ.get("FLASHRL_NATIVE_CPU_DISABLE", "")
+    assert kernel == ("avx_vnni" if "avx_vnni" in cpu_flags() and not hidden else "avx2")
 
 
 def test_in_place_write_is_seen_by_the_next_call():

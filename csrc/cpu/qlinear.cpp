@@ -440,7 +440,7 @@ void run_w8a8_avx2(const at::Tensor& x, const int8_t* w, int64_t ldw, int64_t N,
   const int64_t M = x.size(0), K = x.size(1), ldu = (K + 15) / 16 * 16;
   std::vector<int16_t> xq(static_cast<size_t>(M * ldu));
   std::vector<float> xs(static_cast<size_t>(M));
-  quantize_tokens_s16(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xq.data(), xs.data());
+  quantize_tokens_avx2<int16_t>(x.const_data_ptr<Out>(), x.stride(0), M, K, ldu, xq.data(), xs.data());
   const W8A8Writer<Out> emit{y.data_ptr<Out>(), N, scale, xs.data(), bias};
   const int64_t pf_bytes = kPrefetchBlocks * 2 * ldw;
   drive_pairs(M, N, pf_bytes, [&](auto MT, auto NB, int64_t m0, int64_t n0, float* out, int64_t pf) {

@@ -1,5 +1,6 @@
 // W8A8 INT8 linear on packed weights: the rollout engine's linear layers on AVX-512 VNNI CPUs (below) and AVX2
-// CPUs (the vpmaddwd tiles at the end, on 8-row blocks: packed_layout.h).
+// CPUs (the vpmaddwd tiles at the end, on 8-row blocks: packed_layout.h; on CPUs with AVX-VNNI, ymm vpdpbusd
+// tiles on the same bytes).
 //
 //   y[m, n] = (sum_k xq[m, k] * q[n, k]) * scale[n] * xs[m] + bias[n]        (output in x's dtype)
 //
@@ -62,7 +63,9 @@ constexpr int64_t kMaxK = 65536;  // int32 sums of (u8 + 128) x s8 products stay
 
 struct PackedConfig {
   bool vnni = false;
-  bool avx2 = false;  // an AVX2 build: the vpmaddwd kernel
+  bool avx2 = false;  // an AVX2 build: the vpmaddwd kernel, or
+  bool avx_vnni = false;  // its ymm vpdpbusd tiles (AVX-VNNI; or emulated: FLASHRL_NATIVE_EMULATE=avxvnni)
+  bool avx_vnni_emulated = false;
   bool amx = false;  // AMX-TILE + AMX-INT8, and Linux granted this process the tile state
   int64_t brgemm_min_m = 0;  // 0: never
 };
@@ -74,6 +77,11 @@ const PackedConfig& config() {
     r.vnni = cpu_has("avx512vnni");
 #elif defined(CPU_CAPABILITY_AVX2)
     r.avx2 = true;
+    // the emulation runs the AVX-VNNI tiles with each vpdpbusd done by AVX2 instructions: it tests the tiles on
+    // CPUs without AVX-VNNI (and against the real instruction on CPUs with it); it is not a speed path
+    const char* emulate = std::getenv("FLASHRL_NATIVE_EMULATE");
+    r.avx_vnni_emulated = emulate && std::strstr(emulate, "avxvnni");
+    r.avx_vnni = r.avx_vnni_emulated || cpu_has("avxvnni");
 #endif
 #if defined(FLASHRL_HAS_INIT_AMX) && defined(CPUBLAS_BRGEMM_U8I8I32)
     // init_amx asks Linux for the tile state (arch_prctl); AMX instructions fault until a process has it
@@ -88,6 +96,16 @@ const PackedConfig& config() {
 }
 
 #define FLASHRL_UNROLL_PACKED _Pragma("GCC unroll 16")
+
+// the u8 x s8 kernels' epilogue inputs (AVX-512 VNNI, AVX-VNNI)
+struct Epilogue {
+  const float* xs;  // [M] token scales
+  const float* scale;  // [N] row scales
+  const int32_t* comp;  // [N] row code sums
+  const float* bias;  // [N] fp32 or null
+  int64_t ldy;
+};
+
 #if defined(CPU_CAPABILITY_AVX512)
 #define FLASHRL_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -102,14 +120,6 @@ inline void store16(Out* dst, __m512 v) {
                         _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 }
-
-struct Epilogue {
-  const float* xs;  // [M] token scales
-  const float* scale;  // [N] row scales
-  const int32_t* comp;  // [N] row code sums
-  const float* bias;  // [N] fp32 or null
-  int64_t ldy;
-};
 
 // y[m, n0 + j] for 16 rows j from one int32 vector of sums: (sum - 128 comp) * scale * xs + bias, in the order
 // (and with the roundings: one explicit FMA) of the plain kernel's store_tile
@@ -361,6 +371,101 @@ void avx2_blocks(const int16_t* a, int64_t lda, int64_t K, const int8_t* w, int6
       avx2_tile<1, 2>(a + m0 * lda, lda, w + b * bb, bb, groups, e, m0, b * kPackRows, y);
 }
 
+// AVX-VNNI (Alder Lake and later client cores, Sierra Forest): vpdpbusd on ymm, VEX-encoded, without AVX-512.
+// A k-group of an 8-row block (32 bytes: 4 k of 8 rows) is its signed operand with lanes along N, as a 64-row
+// group is the zmm kernel's: the tokens are u8 codes (code + 128) broadcast 4 bytes at a time and the row sums
+// remove the offset (the AVX-512 kernel's arithmetic, header comment). One instruction per 32 multiply-adds
+// against vpmaddwd's widen + multiply-add + add, and no pairwise sums in the epilogue.
+
+// acc += u8 a . s8 b per int32 lane. Real: the asm spells the VEX form ({vex}; the plain mnemonic assembles to
+// the EVEX one, AVX-512 VL + VNNI, which faults on these CPUs) and needs no target attribute. Emulated: even and
+// odd bytes widened to 16 bits (a zero-extended, b sign-extended), two vpmaddwd: the same exact sums.
+template <bool kEmulated>
+inline void dpbusd8(__m256i& acc, __m256i a, __m256i b) {
+  if constexpr (kEmulated) {
+    const __m256i a_even = _mm256_and_si256(a, _mm256_set1_epi16(0x00FF)), a_odd = _mm256_srli_epi16(a, 8);
+    const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), b_odd = _mm256_srai_epi16(b, 8);
+    acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(a_even, b_even), _mm256_madd_epi16(a_odd, b_odd)));
+  } else {
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+  }
+}
+
+// MT tokens x NB consecutive 8-row blocks from row n0 over all K: w points at the first block (blocks
+// block_bytes apart), a at the first token's u8 codes. MT x NB accumulators + NB weights + 1 broadcast <= 16 ymm.
+template <int MT, int NB, bool kEmulated, typename Out>
+inline void vnni8_tile(const uint8_t* a, int64_t lda, const int8_t* w, int64_t block_bytes, int64_t groups,
+                       const Epilogue& e, int64_t m0, int64_t n0, Out* y) {
+  static_assert(MT * NB + NB + 1 <= 16, "the tile must fit the 16 ymm registers");
+  __m256i acc[MT][NB];
+  FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
+    FLASHRL_UNROLL_PACKED for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wv[NB];
+    FLASHRL_UNROLL_PACKED for (int b = 0; b < NB; ++b)
+      wv[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * block_bytes + g * kPackGroup));
+    FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m) {
+      int32_t a4;
+      std::memcpy(&a4, a + m * lda + 4 * g, 4);
+      const __m256i av = _mm256_set1_epi32(a4);
+      FLASHRL_UNROLL_PACKED for (int b = 0; b < NB; ++b) dpbusd8<kEmulated>(acc[m][b], av, wv[b]);
+    }
+  }
+  FLASHRL_UNROLL_PACKED for (int b = 0; b < NB; ++b) {
+    const int64_t n = n0 + kPackRows * b;
+    const __m256 scale = _mm256_loadu_ps(e.scale + n);
+    const __m256i comp128 = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(e.comp + n)), 7);
+    const __m256 bias = e.bias ? _mm256_loadu_ps(e.bias + n) : _mm256_setzero_ps();
+    FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m) {
+      const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[m][b], comp128));
+      store8(y + (m0 + m) * e.ldy + n, _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_set1_ps(e.xs[m0 + m]), bias));
+    }
+  }
+}
+
+// tokens [mc, mend) x 8-row blocks [b0, b1): 4 tokens x 2 blocks at a time; the 1-3 tokens left over take 4 blocks
+// at a time (2 + 1 tokens); the blocks left over one at a time
+template <bool kEmulated, typename Out>
+void vnni8_blocks(const uint8_t* a, int64_t K, const int8_t* w, int64_t b0, int64_t b1, int64_t mc, int64_t mend,
+                  const Epilogue& e, Out* y) {
+  const int64_t groups = K / 4, bb = groups * kPackGroup;
+  const int64_t tail = (mend - mc) % 4, mt = mend - tail;
+  auto tiles = [&](auto mt_c, auto nb_c, int64_t m0, int64_t b) {
+    vnni8_tile<decltype(mt_c)::value, decltype(nb_c)::value, kEmulated>(a + m0 * K, K, w + b * bb, bb, groups, e, m0,
+                                                                        b * kPackRows, y);
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
+  int64_t b = b0;
+  for (; b + 2 <= b1; b += 2)
+    for (int64_t m0 = mc; m0 < mt; m0 += 4) tiles(I4{}, I2{}, m0, b);
+  for (; b < b1; ++b)
+    for (int64_t m0 = mc; m0 < mt; m0 += 4) tiles(I4{}, I1{}, m0, b);
+  if (tail == 0) return;
+  for (b = b0; b + 4 <= b1; b += 4) {
+    int64_t m0 = mt;
+    if (tail >= 2) {
+      tiles(I2{}, I4{}, m0, b);
+      m0 += 2;
+    }
+    if (m0 < mend) tiles(I1{}, I4{}, m0, b);
+  }
+  for (; b < b1; ++b)
+    for (int64_t m0 = mt; m0 < mend; ++m0) tiles(I1{}, I1{}, m0, b);
+}
+
+template <bool kEmulated, typename Out>
+void drive_vnni8(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_t* w, const Epilogue& e, Out* y) {
+  const int64_t nblocks = N / kPackRows;
+  for (int64_t mc = 0; mc < M; mc += kTokenChunk) {
+    const int64_t mend = std::min(M, mc + kTokenChunk);
+    at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+      vnni8_blocks<kEmulated, Out>(a, K, w, b0, b1, mc, mend, e, y);
+    });
+  }
+}
+
 template <typename Out>
 void drive_avx2(int64_t M, int64_t N, int64_t K, const int16_t* a, int64_t lda, const int8_t* w, const Epilogue8& e,
                 Out* y) {
@@ -429,13 +534,25 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
     default: run(c10::Half{});
   }
 #elif defined(CPU_CAPABILITY_AVX2)
-  const int64_t lda = (K + 15) / 16 * 16;
-  std::vector<int16_t> xq(static_cast<size_t>(M * lda));
+  const float* bias_p = bias_f.empty() ? nullptr : bias_f.data();
   std::vector<float> xs(static_cast<size_t>(M));
-  const Epilogue8 e{xs.data(), scale.const_data_ptr<float>(), bias_f.empty() ? nullptr : bias_f.data(), N};
   auto run = [&](auto out_tag) {
     using Out = decltype(out_tag);
-    quantize_tokens_s16(x.const_data_ptr<Out>(), x.stride(0), M, K, lda, xq.data(), xs.data());
+    const Out* xp = x.const_data_ptr<Out>();
+    if (config().avx_vnni) {
+      std::vector<uint8_t> xq(static_cast<size_t>(M * K));
+      quantize_tokens_avx2<uint8_t>(xp, x.stride(0), M, K, K, xq.data(), xs.data());
+      const Epilogue e{xs.data(), scale.const_data_ptr<float>(), comp.const_data_ptr<int32_t>(), bias_p, N};
+      if (config().avx_vnni_emulated)
+        drive_vnni8<true, Out>(M, N, K, xq.data(), q.const_data_ptr<int8_t>(), e, y.data_ptr<Out>());
+      else
+        drive_vnni8<false, Out>(M, N, K, xq.data(), q.const_data_ptr<int8_t>(), e, y.data_ptr<Out>());
+      return;
+    }
+    const int64_t lda = (K + 15) / 16 * 16;
+    std::vector<int16_t> xq(static_cast<size_t>(M * lda));
+    quantize_tokens_avx2<int16_t>(xp, x.stride(0), M, K, lda, xq.data(), xs.data());
+    const Epilogue8 e{xs.data(), scale.const_data_ptr<float>(), bias_p, N};
     drive_avx2<Out>(M, N, K, xq.data(), lda, q.const_data_ptr<int8_t>(), e, y.data_ptr<Out>());
   };
   switch (xt) {
@@ -447,11 +564,12 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
   return y;
 }
 
-// [the packed kernel here (0: none, 1: AVX2 vpmaddwd, 2: AVX-512 VNNI), AMX-INT8 granted, brgemm from this M
-// (0: never), rows per block of the layout (packed_layout.h)]
+// [the packed kernel here (0: none, 1: AVX2 vpmaddwd, 2: AVX-512 VNNI, 3: AVX-VNNI ymm, 4: the same emulated),
+// AMX-INT8 granted, brgemm from this M (0: never), rows per block of the layout (packed_layout.h)]
 std::vector<int64_t> qlinear_packed_caps() {
   const PackedConfig& c = config();
-  return {c.vnni ? 2 : c.avx2 ? 1 : 0, int64_t{c.amx}, c.brgemm_min_m, kPackRows};
+  const int64_t kernel = c.vnni ? 2 : c.avx_vnni_emulated ? 4 : c.avx_vnni ? 3 : c.avx2 ? 1 : 0;
+  return {kernel, int64_t{c.amx}, c.brgemm_min_m, kPackRows};
 }
 
 }  // namespace

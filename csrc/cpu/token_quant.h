@@ -1,6 +1,6 @@
 // Per-token dynamic INT8 quantization of activations for the native W8A8 linears (qlinear.cpp on plain
 // weights, qlinear_packed.cpp on packed ones): the spec's quantize_per_token, vectorised (AVX-512: s8 / u8
-// codes for vpdpbusd and oneDNN; AVX2: int16 codes for vpmaddwd).
+// codes for vpdpbusd and oneDNN; AVX2: int16 codes for vpmaddwd, u8 codes for AVX-VNNI's vpdpbusd).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -106,10 +106,14 @@ inline __m256 load8(const T* p) {
   }
 }
 
-// The same per-token quantization as quantize_tokens_s8 (the spec), for AVX2's W8A8 tiles (qlinear.cpp), whose
-// vpmaddwd multiplies 16-bit operands: each code stored as int16, rows padded with 0 to ldu.
-template <typename T>
-void quantize_tokens_s16(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t ldu, int16_t* xq, float* xs) {
+// The same per-token quantization as quantize_tokens_s8 (the spec), for AVX2's W8A8 tiles. Code int16_t: each
+// code stored as int16, rows padded with 0 to ldu (the vpmaddwd tiles, which multiply 16-bit operands); uint8_t:
+// each code stored as the byte code + 128, padding 128 (the AVX-VNNI tiles' unsigned vpdpbusd operand).
+template <typename Code, typename T>
+void quantize_tokens_avx2(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t ldu, Code* xq, float* xs) {
+  static_assert(std::is_same_v<Code, int16_t> || std::is_same_v<Code, uint8_t>);
+  constexpr bool kU8 = std::is_same_v<Code, uint8_t>;
+  const Code pad = kU8 ? Code{128} : Code{0};
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t m = b; m < e; ++m) {
@@ -135,9 +139,9 @@ void quantize_tokens_s16(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t 
         finite = finite && std::isfinite(v);
         amax = std::max(amax, std::abs(v));
       }
-      int16_t* u = xq + m * ldu;
+      Code* u = xq + m * ldu;
       if (!finite || amax <= kTokenZeroRowAmax) {
-        std::fill(u, u + ldu, int16_t{0});
+        std::fill(u, u + ldu, pad);
         xs[m] = finite ? 1.f : std::numeric_limits<float>::quiet_NaN();
         continue;
       }
@@ -147,12 +151,19 @@ void quantize_tokens_s16(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t 
       for (k = 0; k + 8 <= K; k += 8) {
         __m256 y = _mm256_round_ps(_mm256_div_ps(load8(r + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m256i qi = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, y)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k),
-                         _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1)));
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+        if constexpr (kU8) {
+          const __m128i q8 = _mm_xor_si128(_mm_packs_epi16(q16, q16), _mm_set1_epi8(static_cast<char>(0x80)));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(u + k), q8);
+        } else {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(u + k), q16);
+        }
       }
-      for (; k < K; ++k)
-        u[k] = static_cast<int16_t>(std::min(127.f, std::max(-128.f, std::nearbyint(static_cast<float>(r[k]) / s))));
-      std::fill(u + K, u + ldu, int16_t{0});
+      for (; k < K; ++k) {
+        const float q = std::min(127.f, std::max(-128.f, std::nearbyint(static_cast<float>(r[k]) / s)));
+        u[k] = kU8 ? static_cast<Code>(static_cast<int>(q) + 128) : static_cast<Code>(q);
+      }
+      std::fill(u + K, u + ldu, pad);
     }
   });
 }

@@ -126,13 +126,15 @@ def direct_bf16_linear(w: torch.Tensor):
 
 # ---------------------------------------------------------------- the packed W8A8 linear
 
-_PACKED_KERNELS = {0: None, 1: "avx2", 2: "avx512_vnni"}
+_PACKED_KERNELS = {0: None, 1: "avx2", 2: "avx512_vnni", 3: "avx_vnni", 4: "avx_vnni_emulated"}
 
 
 @functools.cache
 def packed_w8a8_capabilities() -> dict:
-    """{'kernel': the packed W8A8 kernel that runs here ('avx512_vnni': vpdpbusd tiles, 'avx2': vpmaddwd tiles,
-    None: none, as on AVX-512 without VNNI and portable builds), 'available': kernel is not None,
+    """{'kernel': the packed W8A8 kernel that runs here ('avx512_vnni': zmm vpdpbusd tiles, 'avx_vnni': ymm vpdpbusd
+    tiles of AVX2 builds on CPUs with AVX-VNNI, 'avx2': vpmaddwd tiles, 'avx_vnni_emulated': the AVX-VNNI tiles with
+    their dot products done by AVX2 instructions, for tests (FLASHRL_NATIVE_EMULATE=avxvnni), None: none, as on
+    AVX-512 without VNNI and portable builds), 'available': kernel is not None,
     'pack_rows': rows per block of its layout (a packed weight's N must be a multiple; K of 4),
     'amx': AMX-INT8 tiles granted to this process, 'brgemm_min_m': tokens from which a call runs oneDNN's brgemm
     (0: never)}.

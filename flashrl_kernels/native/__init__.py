@@ -8,10 +8,11 @@ package. Ops without a native kernel yet are simply absent: under automatic
 selection they run on the torch backend (see _backend.implementation).
 
 Native ops: token_logprobs (csrc/cpu/token_logprobs.cpp), policy_loss
-(csrc/cpu/policy_loss.cpp) and linear_token_logprobs (csrc/cpu/linear_logprobs.cpp:
-torch_impl's tile loops and ATen GEMMs with native per-tile epilogues), and the
-rollout side's quantize_rows (csrc/cpu/quantize.cpp; the dequantize and scaled
-linear are ATen's, shared with torch_impl). A new
+(csrc/cpu/policy_loss.cpp), value_loss (csrc/cpu/value_loss.cpp), gae (csrc/cpu/gae.cpp),
+linear_token_logprobs and linear_policy_loss (csrc/cpu/linear_logprobs.cpp: torch_impl's
+tile loops and ATen GEMMs with native per-tile epilogues), and the rollout side's
+quantize_rows (csrc/cpu/quantize.cpp) and scaled linears (csrc/cpu/qlinear.cpp, plain
+weight rows; csrc/cpu/qlinear_packed.cpp, the packed W8A8 layout). A new
 one is a wrapper module here plus one import line, and its kernels as
 csrc/cpu/<op>.cpp with their own
 TORCH_LIBRARY_FRAGMENT(flashrl_native, m) / TORCH_LIBRARY_IMPL(flashrl_native, CPU, m)

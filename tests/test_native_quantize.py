@@ -3,10 +3,11 @@ subnormals inside the vectorised part of a row (the shared suite's tie rows are 
 vector), thread-count independence, and the fallback for rows without unit stride."""
 import pytest
 import torch
-from test_quantize import assert_same_as_spec
+from test_quantize import assert_same_as_spec, bits
 
 import flashrl_kernels as fk
 from flashrl_kernels import _backend
+from flashrl_kernels.reference import quantize_rows_spec
 
 pytestmark = pytest.mark.skipif(not _backend.native_built(), reason="native CPU kernels not built here")
 
@@ -27,6 +28,37 @@ def test_fp8_ties_and_subnormals_in_vector_lanes(wdtype):
     with fk.use_backend("native"):
         q, s = fk.quantize_rows(w, torch.float8_e4m3fn)
     assert_same_as_spec(w, q, s, torch.float8_e4m3fn)
+
+
+def test_fp8_every_bf16_value_and_random_fp32_bits():
+    """Every finite bf16 value in [-448, 448] and 2^20 random fp32 bit patterns there (subnormal e4m3fn range,
+    values below it, near-ties, the top of the range), in rows whose amax is 448 so the scale is exactly 1 and
+    the conversion itself is what is compared; plus a row holding NaN with the value checks off (every code
+    NaN). Covers the vector conversion of every build (AVX-512, AVX2) against the spec bit for bit."""
+    b = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    b = b[torch.isfinite(b) & (b.abs() <= 448)]
+    g = torch.Generator().manual_seed(7)
+    r = torch.randint(0, 0x43E00001, (2**20,), generator=g, dtype=torch.int32).view(torch.float32)  # |r| <= 448
+    r = torch.where(torch.rand(r.shape, generator=g) < 0.5, r, -r)
+    vals = torch.cat([b, r])
+    cols = 1000
+    vals = torch.cat([vals, vals[: (-vals.numel()) % cols]]).view(-1, cols)
+    vals[:, 0] = 448.0
+    with fk.use_backend("native"):
+        q, s = fk.quantize_rows(vals, torch.float8_e4m3fn)
+    assert torch.equal(s, torch.ones_like(s))
+    assert_same_as_spec(vals, q, s, torch.float8_e4m3fn)
+    nan_row = torch.randn(2, 37)
+    nan_row[1, 5] = float("nan")
+    fk.set_value_checks(False)
+    try:
+        with fk.use_backend("native"):
+            q, s = fk.quantize_rows(nan_row, torch.float8_e4m3fn)
+    finally:
+        fk.set_value_checks(True)
+    assert torch.isnan(q[1].float()).all() and torch.isnan(s[1]) and torch.isfinite(q[0].float()).all()
+    rq, rs = quantize_rows_spec(nan_row, torch.float8_e4m3fn)
+    assert torch.equal(bits(q), bits(rq)) and torch.isnan(rs[1]) and s[0] == rs[0]
 
 
 def test_int8_ties_in_vector_lanes():

@@ -9,8 +9,8 @@
 // quantize_rows_packed writes the same codes into the packed layout of the W8A8 linear (packed_layout.h).
 // Two passes over each row (its max, then the quotients), rows spread over threads; a row
 // of a 4096-wide bf16 weight is 8 KiB, so the second pass reads from L1/L2.
-// The fp32 -> e4m3fn conversion is ATen's vectorised one on AVX-512 (the same algorithm as
-// c10's scalar conversion, which torch's .to() uses) and c10's scalar one elsewhere.
+// The fp32 -> e4m3fn conversion is ATen's vectorised one on AVX-512, fp8e4m3_of_avx2 on AVX2 (both the
+// algorithm of c10's scalar conversion, which torch's .to() uses) and c10's scalar one elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -113,6 +113,36 @@ int64_t quantize_row_int8(const T* x, int8_t* q, int64_t k, float scale) {
 
 inline bool same_code(c10::Float8_e4m3fn a, c10::Float8_e4m3fn b) { return a.x == b.x; }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// c10's fp32 -> e4m3fn conversion (fp8e4m3fn_from_fp32_value), 8 lanes at a time, codes in the low 8 bytes.
+// Every branch of the scalar code is computed and the lanes pick theirs; f_bits < 2^31 once the sign is
+// cleared, so the signed compares order the bit patterns as the scalar code's unsigned ones do.
+inline __m128i fp8e4m3_of_avx2(__m256 y) {
+  const __m256i sign_bit = _mm256_set1_epi32(INT32_MIN);
+  __m256i f = _mm256_castps_si256(y);
+  const __m256i sign = _mm256_and_si256(f, sign_bit);
+  f = _mm256_xor_si256(f, sign);
+  // |y| >= 480 (the first value past e4m3fn's range): 0x7e, NaN: 0x7f
+  const __m256i over = _mm256_cmpgt_epi32(f, _mm256_set1_epi32((1087 << 20) - 1));
+  const __m256i nan = _mm256_cmpgt_epi32(f, _mm256_set1_epi32(0x7F800000));
+  const __m256i sat = _mm256_sub_epi32(_mm256_set1_epi32(0x7e), nan);  // nan lanes are -1: 0x7f
+  // below 2^-6 (e4m3fn subnormals): the fp32 addition of 2^14 rounds the mantissa to 3 bits, half to even
+  const __m256i denorm_mask = _mm256_set1_epi32(141 << 23);
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), f);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(f), _mm256_castsi256_ps(denorm_mask))), denorm_mask);
+  // normal: rebias the exponent and round the mantissa to 3 bits, half to even
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(f, 20), _mm256_set1_epi32(1));
+  const __m256i norm = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(f, _mm256_set1_epi32(((7 - 127) << 23) + 0x7FFFF)), odd), 20);
+  __m256i r = _mm256_blendv_epi8(norm, sub, small);
+  r = _mm256_blendv_epi8(r, sat, over);
+  r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));  // every lane now holds a code in [0, 255]
+  const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  return _mm_packus_epi16(w16, w16);
+}
+#endif
+
 template <bool kCount, typename T>
 int64_t quantize_row_fp8(const T* x, c10::Float8_e4m3fn* q, int64_t k, float scale) {
   const Vec vs(scale);
@@ -128,6 +158,17 @@ int64_t quantize_row_fp8(const T* x, c10::Float8_e4m3fn* q, int64_t k, float sca
     if constexpr (kCount)
       changed += __builtin_popcount(_mm_cmpneq_epi8_mask(b, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const Vec lo(-448.f), hi(448.f);
+  for (; i + kW <= k; i += kW) {
+    const Vec y = load_f32(x + i) / vs;
+    const __m128i b = fp8e4m3_of_avx2(_mm256_min_ps(hi, _mm256_max_ps(lo, y)));  // clamp keeping NaN
+    if constexpr (kCount) {
+      const __m128i eq = _mm_cmpeq_epi8(b, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
+      changed += 8 - __builtin_popcount(_mm_movemask_epi8(eq) & 0xFF);
+    }
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), b);
   }
 #else
   alignas(64) float buf[kW];

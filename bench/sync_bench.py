@@ -5,11 +5,12 @@
     python bench/sync_bench.py --bf16-baseline # also time vLLM's reload into a bf16 engine of the same model
     python bench/sync_bench.py --engine mp     # vLLM's default multi-process engine (TP = 1)
     python bench/sync_bench.py --engine tp2    # tensor parallel 2 (mp executor, one thread bound per rank)
+    python bench/sync_bench.py --quantization flashrl_int8,flashrl_fp8   # both quantized engines, one after the other
 
 The model is a random Qwen2 with Qwen2.5-0.5B's shapes, written once to
 --cache-dir (bf16 safetensors). One engine (enforce_eager, small KV cache; in
-this process by default, --engine mp / tp2 for the multi-process modes) with
-quantization="flashrl_int8"; the trainer tensors are random
+this process by default, --engine mp / tp2 for the multi-process modes) per
+--quantization (default flashrl_int8); the trainer tensors are random
 bf16 tensors with the checkpoint's names and shapes (so every linear layer is
 quantized, embeddings copied). Timed, each the median of --repeats runs:
   flashrl sync_weights     validate everything (names, shapes, dtypes, finite),
@@ -80,9 +81,14 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache-dir", default=os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"))
     ap.add_argument("--bf16-baseline", action="store_true")
+    ap.add_argument("--quantization", default="flashrl_int8",
+                    help="comma-separated flashrl engines to sync into, from flashrl_int8,flashrl_fp8")
     ap.add_argument("--engine", choices=("inproc", "mp", "tp2"), default="inproc",
                     help="in-process engine (default), vLLM's default multi-process engine, or TP = 2")
     args = ap.parse_args(argv)
+    quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    if not quants or any(q not in ("flashrl_int8", "flashrl_fp8") for q in quants):
+        ap.error(f"--quantization: comma-separated flashrl_int8 / flashrl_fp8, got {args.quantization!r}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.engine == "inproc" else "1"
     if args.engine == "tp2":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -133,17 +139,17 @@ def main(argv=None):
         llm.generate(["hello"], sp, use_tqdm=False)  # still serves
         llm.llm_engine.engine_core.shutdown()
 
-    run_engine("flashrl_int8")
-    if args.bf16_baseline:
-        import gc
+    import gc
 
+    for quant in quants + ([None] if args.bf16_baseline else []):
+        run_engine(quant)
         gc.collect()
-        run_engine(None)
 
     print(f"\nsync of {nparams / 1e6:.0f} M parameters ({args.layers} layers of Qwen2-0.5B shapes) into the "
           f"{args.engine} engine, median of {args.repeats}:")
-    base = next(m for n, m, _ in rows if n.startswith("vLLM reload_weights -> flashrl_int8"))
     for name, med, ts in rows:
+        engine = name.split(" -> ")[1]
+        base = next((m for n, m, _ in rows if n == f"vLLM reload_weights -> {engine}"), med)
         print(f"  {name:42s} {med:8.3f} s  {nbytes / med / 1e9:6.2f} GB/s  x{base / med:5.2f} vs vLLM reload"
               f"  (runs: {', '.join(f'{t:.3f}' for t in ts)})")
 

@@ -333,6 +333,32 @@ def test_sync_finiteness_check_handles_overflowing_sums():
     assert nonfinite_tensors([ok, big, nan, ok, inf, -big]) == [2, 4]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_sync_finiteness_check_finds_every_bad_value_anywhere(dtype):
+    """One NaN, +inf or -inf at a random position (vector body or tail) of tensors of odd sizes, beside finite
+    tensors that reach the dtype's largest and smallest values, empty ones and non-contiguous views."""
+    from flashrl_kernels.integrations.vllm.sync import nonfinite_tensors
+
+    g = torch.Generator().manual_seed(5)
+    fin = torch.finfo(dtype)
+    tensors, expect = [], []
+    for i in range(60):
+        n = int(torch.randint(1, 5000, (1,), generator=g))
+        t = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+        kind = i % 4
+        if kind < 3:
+            t[int(torch.randint(0, n, (1,), generator=g))] = (float("nan"), float("inf"), -float("inf"))[kind]
+            expect.append(len(tensors))
+        else:
+            t[0], t[-1] = fin.max, fin.min  # finite extremes: no false alarm
+        tensors.append(t)
+    bad_view = torch.randn(64, 48, dtype=torch.float64).to(dtype)
+    bad_view[5, 7] = float("nan")
+    tensors += [torch.empty(0, dtype=dtype), bad_view.t(), bad_view[2:9, 5:9:2]]
+    expect += [len(tensors) - 2, len(tensors) - 1]
+    assert nonfinite_tensors(tensors) == expect
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qdtype", QDTYPES, ids=QNAME.get)
 @pytest.mark.parametrize("shape", [(2, 64), (7, 129), (300, 1000)])

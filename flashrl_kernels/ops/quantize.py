@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .._backend import implementation, selected_backend
-from .._checks import FLOAT_DTYPES, check_same_device, check_tensor, first_true, value_checks_enabled
+from .._checks import FLOAT_DTYPES, check_same_device, check_tensor, first_true, nonfinite_tensors, value_checks_enabled
 from ..reference.quantize import QUANT_DTYPES
 
 
@@ -151,8 +151,8 @@ def quantize_rows_(w: Tensor, q_out: Tensor, scale_out: Tensor):
     s1d = _scale_view(scale_out, rows, "scale_out")
     if rows == 0:
         return q_out, scale_out
-    if value_checks_enabled() and not bool(torch.isfinite(w2d.sum(dtype=torch.float32))):
-        # a finite sum proves all elements finite (one fast pass); else find the row exactly
+    if value_checks_enabled() and nonfinite_tensors([w2d]):
+        # finite min and max prove all elements finite (one read, no temporary); else find the row exactly
         bad = ~torch.isfinite(w2d).all(dim=-1)
         if bool(bad.any()):
             raise ValueError(f"w row {first_true(bad)} (flat) contains NaN or +-inf; nothing was written")

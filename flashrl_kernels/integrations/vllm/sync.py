@@ -8,7 +8,7 @@ weights untouched:
      to the first) with the exact shape each expects;
   2. check every tensor: a torch.Tensor, a floating dtype, a known name, the
      expected shape, no duplicates; then finiteness of all of them at once (one
-     host sync; see nonfinite_tensors);
+     read of each, one host sync; see _checks.nonfinite_tensors);
   3. only then model.load_weights(...), vLLM's own loading path, whose
      parameter loaders (see quant.py) quantize linear weights (and, with
      quantize_lm_head, the LM head table) into their existing int8/fp8 storage
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._checks import nonfinite_tensors
 from . import SyncResult
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -161,22 +162,6 @@ def check_finite_tensors(tensors: list[tuple[str, torch.Tensor]]) -> None:
             raise ValueError(f"tensor {bad[0]!r} contains NaN or +-inf ({len(bad)} bad tensor(s): {bad[:5]})")
 
 
-def _sum_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def nonfinite_tensors(tensors: list[torch.Tensor]) -> list[int]:
-    """Indices of the tensors holding a NaN or +-inf.
-
-    A finite sum proves every element finite (a NaN or an inf anywhere makes the
-    sum NaN or inf), and a float sum is one fast vectorised pass (on a CPU about
-    20x faster than isfinite().all() on bf16). Only tensors whose sum is not
-    finite, because of a bad value or an overflow of the sum, get the exact
-    elementwise check. One host sync for the sums of all tensors.
-    """
-    sums = torch.stack([t.sum(dtype=_sum_dtype(t)).to("cpu", torch.float64) for t in tensors])
-    suspects = torch.nonzero(~torch.isfinite(sums)).flatten().tolist()
-    return [i for i in suspects if not bool(torch.isfinite(tensors[i]).all())]
 
 
 def _write_quantized(model: torch.nn.Module, load, vllm_config=None) -> tuple[int, int, float]:

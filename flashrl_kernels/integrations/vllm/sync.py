@@ -163,7 +163,6 @@ def check_finite_tensors(tensors: list[tuple[str, torch.Tensor]]) -> None:
 
 
 
-
 def _write_quantized(model: torch.nn.Module, load, vllm_config=None) -> tuple[int, int, float]:
     """model.load_weights(load); returns (codes changed, codes written, largest relative row-scale change)."""
     from .quant import collect_sync_stats

@@ -98,7 +98,8 @@ def policy_loss_spec(logp, old_logp, advantages, *, mask=None, cu_seqlens=None, 
 
         with torch.no_grad():
             if cfg.tis_mode == "none":
-                w, out = torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.bool)
+                w = torch.ones(n, dtype=torch.float64, device=pg.device)
+                out = torch.zeros(n, dtype=torch.bool, device=pg.device)
             elif cfg.tis_mode.startswith("token"):
                 w, out = tis_weight(old[i] - roll[i], cfg)
             else:

@@ -379,11 +379,17 @@ def _qlinear_specs(quick: bool) -> list[Spec]:
     out = []
 
     def add(tag, x_codes, decode, xdt, qdt, mm, n, k, archs, bias=True, streaming=True):
+        groups = []  # (targets, capability the plan is made for)
         for is_hip in (False, True):
             targets = tuple(a for a in archs if (a == "gfx942") == is_hip)
-            if not targets:
-                continue
-            plan = m.plan_tiles(mm, n, k, 304 if is_hip else 132, is_hip, 4 if xdt == FP32 else 2)
+            if x_codes == 1 and not is_hip and "90" in targets:  # sm_90 has its own INT8 tiles
+                groups.append((("90",), (9, 0), False))
+                targets = tuple(a for a in targets if a != "90")
+            if targets:
+                groups.append((targets, None, is_hip))
+        for targets, cap, is_hip in groups:
+            plan = m.plan_tiles(mm, n, k, 304 if is_hip else 132, is_hip, 4 if xdt == FP32 else 2,
+                                int8_dot=x_codes == 1, capability=cap)
 
             def build(x_codes=x_codes, decode=decode, xdt=xdt, qdt=qdt, mm=mm, n=n, k=k, bias=bias, plan=plan):
                 x = torch.zeros(mm, k, dtype=xdt)

@@ -41,11 +41,14 @@ def test_selection_without_vllm():
         for dt in (I8, FP8):
             for m in (1, 16, 4096):
                 assert _select(cap, dt, m, False) == q.TRITON_W8A16  # weight-only: never a dequantized copy
-    # W8A8 INT8: Triton up to SMALL_M rows (no padding to 32), cuBLASLt + one fused epilogue pass above
+    # W8A8 INT8: Triton up to SMALL_M rows (no padding to 32), cuBLASLt + one fused epilogue pass above, except
+    # on sm_90, where the Triton kernel was measured faster at every M (H200, docs/gpu.md)
     for cap in (A100, A6000, L40, H100, B200):
         assert _select(cap, I8, 1, True) == q.TRITON_W8A8_INT8
         assert _select(cap, I8, q.SMALL_M, True) == q.TRITON_W8A8_INT8
-        assert _select(cap, I8, q.SMALL_M + 1, True) == q.TORCH_INT_MM
+        big = q.TRITON_W8A8_INT8 if cap == H100 else q.TORCH_INT_MM
+        assert _select(cap, I8, q.SMALL_M + 1, True) == big
+        assert _select(cap, I8, 4096, True) == big
         assert _select(cap, I8, 4096, True, torch_ok=False) == q.TRITON_W8A8_INT8
     assert _select(A100, I8, 4096, True, n=4100) == q.TRITON_W8A8_INT8  # N not a multiple of 8: no _int_mm
     # W8A8 FP8: FP8 tensor cores from sm_89 (torch._scaled_mm when it runs here), codes widened below
@@ -125,6 +128,26 @@ def test_plan_tiles(m, n, k, sms):
     assert p.split_k <= 8 and p.num_stages == 3
     assert ql().plan_tiles(m, n, k, sms, x_bytes=4).num_stages == 2
     assert ql().plan_tiles(m, n, k, sms, is_hip=True).num_stages == 2
+
+
+@pytest.mark.parametrize("m", [65, 128, 256, 512])
+def test_medium_m_plan_splits_k_to_fill_the_gpu(m):
+    # M = 128 ... 512 used to run 128 x 128 tiles unsplit: 64 programs on 132 SMs (W8A16 2-3.3x slower on an H200)
+    p = ql().plan_tiles(m, 4096, 4096, 132)
+    programs = -(-m // p.block_m) * -(-4096 // p.block_n) * p.split_k
+    assert programs >= 132 and p.split_k > 1
+
+
+def test_sm90_int8_tiles():
+    q = ql()
+    p = q.plan_tiles(256, 4096, 4096, 132, int8_dot=True, capability=(9, 0))
+    assert (p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages) == (64, 128, 128, 4, 3)
+    p = q.plan_tiles(4096, 4096, 4096, 132, int8_dot=True, capability=(9, 0))
+    assert (p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages, p.split_k) == (128, 128, 64, 4, 4, 1)
+    # elsewhere (not measured) the generic tiles stay
+    p = q.plan_tiles(4096, 4096, 4096, 108, int8_dot=True, capability=(8, 0))
+    assert (p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages) == (128, 128, 64, 8, 3)
+    assert q.plan_tiles(16, 4096, 4096, 132, int8_dot=True, capability=(9, 0)) == q.plan_tiles(16, 4096, 4096, 132)
 
 
 def test_decode_plan_fills_an_h100():

@@ -10,9 +10,9 @@ tested without a GPU. What runs (docs/gpu.md has the per-GPU table):
   - vLLM's `cutlass_scaled_mm` when vLLM is loaded and provides it: INT8 below compute capability 10.0 (vLLM's
     CUTLASS INT8 has no sm_100 kernel), FP8 where `cutlass_scaled_mm_supports_fp8` says so (sm_89+). One GEMM
     with the row / column scales and the bias fused. Our part: the weight storage and its in-place sync.
-  - otherwise INT8, M <= SMALL_M: the Triton int8 x int8 -> int32 kernel below, scales and bias fused into its
-    epilogue (no padding of M to 32, no extra passes); larger M: torch._int_mm (cuBLASLt) and one fused Triton
-    epilogue pass over its int32 output.
+  - otherwise INT8, M <= SMALL_M, and at every M on sm_90 (measured on an H200): the Triton int8 x int8 -> int32
+    kernel below, scales and bias fused into its epilogue (no padding of M to 32, no extra passes); larger M
+    elsewhere: torch._int_mm (cuBLASLt) and one fused Triton epilogue pass over its int32 output.
   - otherwise FP8 on sm_89+ CUDA: torch._scaled_mm with row-wise scales when it runs here (probed once).
   - otherwise FP8 (A100 / A6000, MI300 whose fp8 hardware format is e4m3fnuz, not the e4m3fn bytes we store):
     the Triton kernel with both operands' fp8 codes widened to bf16 in registers (exact) and a bf16 tensor-core
@@ -23,10 +23,11 @@ tested without a GPU. What runs (docs/gpu.md has the per-GPU table):
   FP8 weight-only through Marlin on sm_80, which needs the weight repacked into Marlin's tile layout when it is
   loaded; our weight is the row-major storage the sync writes in place, read as it is.)
 
-Small M is memory bound: the kernels split K over several programs when the (M, N) tiles alone would leave the
-GPU's SMs idle (`plan_tiles`), and sum the fp32 / int32 partials in the epilogue kernel.
-Nothing here has run on a GPU (see docs/gpu.md): the kernels are compiled for sm_80 / 86 / 90 / 100 and gfx942
-by `flashrl-kernels gpu-audit` and checked against the float64 spec in Triton's interpreter.
+The kernels split K over several programs when the (M, N) tiles alone would leave the GPU's SMs idle
+(`plan_tiles`), and sum the fp32 / int32 partials in the epilogue kernel.
+Measured on one GPU so far, an H200 (bench/gpu_check.sh and bench/gpu_sweep_qlinear.py, numbers in docs/gpu.md
+and bench/RESULTS.md); compiled for sm_80 / 86 / 90 / 100 and gfx942 by `flashrl-kernels gpu-audit` and checked
+against the float64 spec in Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ def select_scaled_linear(capability: tuple[int, int] | None, is_hip: bool, qdtyp
             return Choice(VLLM_CUTLASS, "vLLM's CUTLASS W8A8 INT8 (compute capability below 10.0)")
         if m <= SMALL_M:
             return Choice(TRITON_W8A8_INT8, f"INT8, M <= {SMALL_M}: int8 tensor-core dot, scales fused, no padding")
+        if cuda and cap[0] == 9:
+            return Choice(TRITON_W8A8_INT8, "INT8 on sm_90: the Triton int8 dot, scales fused (measured on an H200, "
+                                            "1.1-1.4x faster than cuBLASLt int8 + epilogue at M = 128 ... 4096)")
         if torch_w8a8 and n % 8 == 0 and k % 8 == 0:
             why = "INT8, large M: cuBLASLt int8 GEMM, then one fused epilogue pass"
             if cuda and cap >= (10, 0):
@@ -126,10 +130,14 @@ class TilePlan:
     num_stages: int
 
 
-def plan_tiles(m: int, n: int, k: int, sms: int, is_hip: bool = False, x_bytes: int = 2) -> TilePlan:
+def plan_tiles(m: int, n: int, k: int, sms: int, is_hip: bool = False, x_bytes: int = 2, int8_dot: bool = False,
+               capability: tuple[int, int] | None = None) -> TilePlan:
     """Tile shape and split-K for the Triton kernels: small M is bound by the weight's bytes, so N is cut in 64
-    columns and K split until the grid has about two programs per SM; large M takes 128 x 128 tiles. fp32
-    activations (x_bytes 4) take an IEEE fp32 dot, which holds its tiles in registers: 32-wide K and N tiles."""
+    columns; larger M takes 128 x 128 tiles. At any M, K is split while the (M, N) tiles alone would give fewer
+    than two programs per SM (at most 8 splits, at least 4 K steps each). fp32 activations (x_bytes 4) take an
+    IEEE fp32 dot, which holds its tiles in registers: 32-wide K and N tiles. int8_dot (W8A8 INT8) on sm_90 takes
+    the tiles measured best there (bench/gpu_sweep_qlinear.py on an H200, 2026-12-04; docs/gpu.md)."""
+    stages = 2 if (is_hip or x_bytes == 4) else 3  # fp32: a third stage made ptxas spill 8 bytes (sm_90)
     if m <= SMALL_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn, bk, warps = 64, 128, 4
@@ -139,11 +147,15 @@ def plan_tiles(m: int, n: int, k: int, sms: int, is_hip: bool = False, x_bytes: 
         bm, bn, bk, warps = 128, 128, 64, 8
         if x_bytes == 4:
             bm, bn, bk, warps = 64, 64, 32, 4
-    stages = 2 if (is_hip or x_bytes == 4) else 3  # fp32: a third stage made ptxas spill 8 bytes (sm_90)
+        elif int8_dot and not is_hip and capability is not None and capability[0] == 9:
+            # H200: 64 x 128 x 128 up to M = 512 and 128 x 128 x 64 with 4 warps and 4 stages from M = 1024 were
+            # within 1-9 % of the best of 40 plans per case; the 8-warp, 3-stage tile was 16-27 % slower there
+            bm, bn, bk, warps, stages = (64, 128, 128, 4, 3) if m < 1024 else (128, 128, 64, 4, 4)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = 1
     steps = triton.cdiv(k, bk)
-    if m <= SMALL_M and tiles < 2 * sms:
+    if tiles < 2 * sms:
+        # (M = 128 ... 512 without it left most SMs idle: W8A16 on the H200 was 2-3.3x slower than with it)
         split = max(1, min(8, (2 * sms) // max(tiles, 1), steps // 4))  # at least 4 K steps per program
     k_split = triton.cdiv(steps, split) * bk
     split = triton.cdiv(k, k_split)
@@ -325,8 +337,12 @@ def w8_linear(x, xs, q, scale, bias, out_dtype, x_codes: int, w_decode: int, pla
 
 
 def int_mm_scaled(xq, xs, q, scale, bias, out_dtype):
-    """torch._int_mm (cuBLASLt int8 GEMM, int32 out) and one fused Triton epilogue pass."""
-    acc = torch._int_mm(xq, q.t())
+    """torch._int_mm (cuBLASLt int8 GEMM, int32 out) and one fused Triton epilogue pass. torch._int_mm on CUDA
+    wants M > 16: smaller M is padded to 32 rows (the selection never picks this kernel there)."""
+    m = xq.shape[0]
+    if m <= 16:
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, 32 - m))
+    acc = torch._int_mm(xq, q.t())[:m]
     y = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
     _epilogue(acc, xs, scale, bias, y, 1, 1)
     return y
@@ -448,7 +464,8 @@ def run_choice(kernel: str, quantize, x2d, q, scale, bias, cap, is_hip, sms):
     if kernel == TORCH_INT_MM:
         return int_mm_scaled(xq, xs, q, scale, bias, out_dtype)
     if kernel == TRITON_W8A8_INT8:
-        return w8_linear(xq, xs, q, scale, bias, out_dtype, 1, 0, plan_tiles(m, n, k, sms, is_hip))
+        return w8_linear(xq, xs, q, scale, bias, out_dtype, 1, 0,
+                         plan_tiles(m, n, k, sms, is_hip, int8_dot=True, capability=cap))
     if kernel == TRITON_W8A8_FP8_WIDEN:
         return w8_linear(xq, xs, q, scale, bias, out_dtype, 2, decode, plan_tiles(m, n, k, sms, is_hip))
     raise ValueError(f"unknown scaled-linear kernel {kernel!r}")

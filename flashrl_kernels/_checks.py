@@ -11,6 +11,7 @@ Two kinds:
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -29,7 +30,8 @@ def set_value_checks(enabled: bool) -> None:
 
 
 def value_checks_enabled() -> bool:
-    if torch.compiler.is_compiling():
+    # off while compiling and under a dispatch mode (FakeTensorMode, meta tracing): they read values on the host
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
     if _value_checks is not None:
         return _value_checks
@@ -159,6 +161,13 @@ def iter_row_chunks(x3: torch.Tensor, rows_per_chunk: int):
             yield bi * t + t0, bi * t + t1, x3[bi, t0:t1]
 
 
+@functools.lru_cache(maxsize=64)
+def _padded_cu_seqlens(b: int, t: int, device: torch.device) -> torch.Tensor:
+    """T * arange(B + 1), made once per (B, T, device): the ops only read it (an arange and a multiply per call
+    cost ~10-20 us of host time, more than a small loss kernel)."""
+    return torch.arange(b + 1, device=device, dtype=torch.int64) * t
+
+
 def sequence_layout(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None):
     """The sequence layout of token tensor `x` (named `name` in errors): (cu_seqlens int64 [S+1], uniform_len).
 
@@ -175,7 +184,9 @@ def sequence_layout(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None)
         b, t = shape
         if b == 0:
             raise ValueError(f"empty batch: {name} has no sequences (B = 0)")
-        return torch.arange(b + 1, device=x.device, dtype=torch.int64) * t, t
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or x.device.type == "meta":
+            return torch.arange(b + 1, device=x.device, dtype=torch.int64) * t, t  # fake / traced: made fresh
+        return _padded_cu_seqlens(b, t, x.device), t
     if x.dim() != 1:
         raise ValueError(f"packed inputs (cu_seqlens given) must be 1-D [total_tokens], got {name} of shape {shape}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:

@@ -18,8 +18,13 @@ g_tok (per-token gradient coefficient), g_ent (entropy gradient coefficient,
 empty without entropy), seq_coef (per-sequence coefficient of GSPO's
 gradient through the sequence ratio, empty otherwise) and scale = 1/divisor.
 grad_logp = (g_tok + mask * seq_coef[seq]) * grad_loss * scale.
+
+`policy_loss` runs the op's own functions through an autograd.Function outside torch.compile and dispatch modes
+(ops/_eager.py: the custom-op call alone cost more than the kernel at trainer sizes, on a CPU and on a GPU).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -37,10 +42,10 @@ from .._checks import (
     value_checks_enabled,
 )
 from ..loss_config import METRIC_NAMES, LossConfig, LossOutput
+from ._eager import eager_function, needs_op
 
 
-@torch.library.custom_op("flashrl::policy_loss", mutates_args=())
-def _policy_loss_op(
+def _policy_loss_forward(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor | None, cu_seqlens: Tensor,
     rollout_logp: Tensor | None, ref_logp: Tensor | None, entropy: Tensor | None, normalizer: Tensor | None,
     eps_low: float, eps_high: float, dual_clip: float, importance_sampling_level: str, tis_mode: str,
@@ -53,6 +58,9 @@ def _policy_loss_op(
         eps_low, eps_high, dual_clip, importance_sampling_level, tis_mode, tis_min, tis_max, tis_sequence_reduce,
         loss_agg_mode, beta, entropy_coef, divisor, uniform_len, positive, nll_coef,
     )
+
+
+_policy_loss_op = torch.library.custom_op("flashrl::policy_loss", _policy_loss_forward, mutates_args=())
 
 
 @_policy_loss_op.register_fake
@@ -73,13 +81,16 @@ def _(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_logp, entr
     )
 
 
-@torch.library.custom_op("flashrl::policy_loss_backward", mutates_args=())
-def _policy_loss_backward_op(
+def _policy_loss_backward(
     grad_loss: Tensor, g_tok: Tensor, g_ent: Tensor, seq_coef: Tensor, mask: Tensor | None, cu_seqlens: Tensor,
     scale: Tensor, uniform_len: int,
 ) -> tuple[Tensor, Tensor]:
     bwd = implementation("policy_loss_backward", g_tok.device)
     return bwd(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, uniform_len)
+
+
+_policy_loss_backward_op = torch.library.custom_op("flashrl::policy_loss_backward", _policy_loss_backward,
+                                                   mutates_args=())
 
 
 @_policy_loss_backward_op.register_fake
@@ -99,18 +110,23 @@ def _setup_context(ctx, inputs, output):
     ctx.ent_dtype = None if entropy is None else entropy.dtype
 
 
-def _backward(ctx, grad_loss, *_unused):
-    g_tok, g_ent, seq_coef, mask, cu_seqlens, scale = ctx.saved_tensors
-    if grad_loss is None:
-        grad_loss = torch.zeros_like(scale)
-    grad_logp, grad_ent = torch.ops.flashrl.policy_loss_backward(
-        grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, ctx.uniform_len
-    )
-    grad_ent = None if ctx.ent_dtype is None else grad_ent.to(ctx.ent_dtype)
-    return (grad_logp.to(ctx.logp_dtype), None, None, None, None, None, None, grad_ent) + (None,) * 16
+def _backward_with(backward_fn):
+    def _backward(ctx, grad_loss, *_unused):
+        g_tok, g_ent, seq_coef, mask, cu_seqlens, scale = ctx.saved_tensors
+        if grad_loss is None:
+            grad_loss = torch.zeros_like(scale)
+        grad_logp, grad_ent = backward_fn(grad_loss, g_tok, g_ent, seq_coef, mask, cu_seqlens, scale, ctx.uniform_len)
+        grad_ent = None if ctx.ent_dtype is None else grad_ent.to(ctx.ent_dtype)
+        return (grad_logp.to(ctx.logp_dtype), None, None, None, None, None, None, grad_ent) + (None,) * 16
+
+    return _backward
 
 
-torch.library.register_autograd("flashrl::policy_loss", _backward, setup_context=_setup_context)
+# the op's backward calls the backward op (so a compiled graph holds it); the eager Function calls its body
+torch.library.register_autograd("flashrl::policy_loss", _backward_with(torch.ops.flashrl.policy_loss_backward),
+                                setup_context=_setup_context)
+_PolicyLossFunction = eager_function("PolicyLossFunction", _policy_loss_forward, _setup_context,
+                                     _backward_with(_policy_loss_backward))
 
 
 # ---- public wrapper ----
@@ -222,7 +238,7 @@ def config_scalars(cfg):
 
 def _check_finite(loss, inputs, mask):
     """After the op: one host sync; a non-finite loss is traced back to the input that caused it."""
-    if bool(torch.isfinite(loss)):
+    if math.isfinite(float(loss.detach())):  # (one host read; cheaper than an isfinite op on a CPU)
         return
     for name, t in inputs:
         if t is None:
@@ -272,12 +288,13 @@ def policy_loss(
     checks = value_checks_enabled()
     if checks and cu_seqlens is not None:
         check_cu_seqlens(cu, lp.numel())
-    loss, mvec, _, _, _, _ = torch.ops.flashrl.policy_loss(
-        lp, old, adv, m, cu, roll, ref, ent, norm_t, *config_scalars(cfg), divisor, int(uniform_len), pos,
-        float(cfg.nll_coef),
-    )
+    args = (lp, old, adv, m, cu, roll, ref, ent, norm_t, *config_scalars(cfg), divisor, int(uniform_len), pos,
+            float(cfg.nll_coef))
+    if needs_op(lp, old, adv, m, cu, roll, ref, ent, norm_t, pos):
+        loss, mvec, _, _, _, _ = torch.ops.flashrl.policy_loss(*args)
+    else:
+        loss, mvec, _, _, _, _ = _PolicyLossFunction.apply(*args)
     if checks:
         _check_finite(loss, (("logp", lp), ("old_logp", old), ("advantages", adv), ("rollout_logp", roll),
                              ("ref_logp", ref), ("entropy", ent)), m)
-    mvec = mvec.detach()
-    return LossOutput(loss, {name: mvec[i] for i, name in enumerate(METRIC_NAMES)})
+    return LossOutput(loss, dict(zip(METRIC_NAMES, mvec.detach().unbind(0))))

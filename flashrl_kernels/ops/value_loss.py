@@ -19,6 +19,9 @@ clipped term is strictly larger, times 1/n_i for seq-mean-token-mean, 0 at maske
 and scale = 1/D. The backward is one elementwise pass: grad = g_tok * grad_loss * scale,
 written in the values' dtype. need_grad=False (values needs no gradient, or grad mode is off):
 g_tok is empty and never written, which saves its 4 bytes/token.
+
+`value_loss` runs the op's own functions through an autograd.Function outside torch.compile and dispatch modes
+(ops/_eager.py: the custom-op call alone cost more than the kernel at trainer sizes).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from .._checks import (
     value_checks_enabled,
 )
 from ..loss_config import LOSS_AGG_MODES, LossOutput, _choice
+from ._eager import eager_function, needs_op
 from .policy_loss import _check_finite
 
 # Names (and order) of the metrics every backend returns. Stable: renaming one is an API change.
@@ -55,8 +59,7 @@ VALUE_METRIC_NAMES = (
 ANY_FLOAT_DTYPES = FLOAT_DTYPES + (torch.float64,)
 
 
-@torch.library.custom_op("flashrl::value_loss", mutates_args=())
-def _value_loss_op(
+def _value_loss_forward(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor | None, cu_seqlens: Tensor,
     normalizer: Tensor | None, clip_range: float, loss_agg_mode: str, divisor: float, uniform_len: int,
     need_grad: bool,
@@ -64,6 +67,9 @@ def _value_loss_op(
     fwd = implementation("value_loss_forward", values.device)
     return fwd(values, old_values, returns, mask, cu_seqlens, normalizer, clip_range, loss_agg_mode, divisor,
                uniform_len, need_grad)
+
+
+_value_loss_op = torch.library.custom_op("flashrl::value_loss", _value_loss_forward, mutates_args=())
 
 
 @_value_loss_op.register_fake
@@ -78,10 +84,13 @@ def _(values, old_values, returns, mask, cu_seqlens, normalizer, clip_range, los
     )
 
 
-@torch.library.custom_op("flashrl::value_loss_backward", mutates_args=())
-def _value_loss_backward_op(grad_loss: Tensor, g_tok: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+def _value_loss_backward(grad_loss: Tensor, g_tok: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     bwd = implementation("value_loss_backward", g_tok.device)
     return bwd(grad_loss, g_tok, scale, dtype)
+
+
+_value_loss_backward_op = torch.library.custom_op("flashrl::value_loss_backward", _value_loss_backward,
+                                                  mutates_args=())
 
 
 @_value_loss_backward_op.register_fake
@@ -97,15 +106,21 @@ def _setup_context(ctx, inputs, output):
     ctx.values_dtype = values.dtype
 
 
-def _backward(ctx, grad_loss, *_unused):
-    g_tok, scale = ctx.saved_tensors
-    if grad_loss is None:
-        grad_loss = torch.zeros_like(scale)
-    grad = torch.ops.flashrl.value_loss_backward(grad_loss, g_tok, scale, ctx.values_dtype)
-    return (grad,) + (None,) * 10
+def _backward_with(backward_fn):
+    def _backward(ctx, grad_loss, *_unused):
+        g_tok, scale = ctx.saved_tensors
+        if grad_loss is None:
+            grad_loss = torch.zeros_like(scale)
+        return (backward_fn(grad_loss, g_tok, scale, ctx.values_dtype),) + (None,) * 10
+
+    return _backward
 
 
-torch.library.register_autograd("flashrl::value_loss", _backward, setup_context=_setup_context)
+# the op's backward calls the backward op (so a compiled graph holds it); the eager Function calls its body
+torch.library.register_autograd("flashrl::value_loss", _backward_with(torch.ops.flashrl.value_loss_backward),
+                                setup_context=_setup_context)
+_ValueLossFunction = eager_function("ValueLossFunction", _value_loss_forward, _setup_context,
+                                    _backward_with(_value_loss_backward))
 
 
 # ---- public wrapper ----
@@ -184,11 +199,12 @@ def value_loss(
     if checks and cu_seqlens is not None:
         check_cu_seqlens(cu, v.numel())
     need_grad = torch.is_grad_enabled() and values.requires_grad
-    loss, mvec, _, _ = torch.ops.flashrl.value_loss(
-        v, old, ret, m, cu, norm_t, clip, loss_agg_mode, divisor, int(uniform_len), need_grad
-    )
+    args = (v, old, ret, m, cu, norm_t, clip, loss_agg_mode, divisor, int(uniform_len), need_grad)
+    if needs_op(v, old, ret, m, cu, norm_t):
+        loss, mvec, _, _ = torch.ops.flashrl.value_loss(*args)
+    else:
+        loss, mvec, _, _ = _ValueLossFunction.apply(*args)
     if checks:
         named = [("values", v), ("returns", ret)] + ([("old_values", old)] if clip > 0.0 else [])
         _check_finite(loss, named, m)
-    mvec = mvec.detach()
-    return LossOutput(loss, {name: mvec[i] for i, name in enumerate(VALUE_METRIC_NAMES)})
+    return LossOutput(loss, dict(zip(VALUE_METRIC_NAMES, mvec.detach().unbind(0))))

@@ -28,7 +28,8 @@ from .policy_loss import _per_token, _seq_sums
 
 STAT_NAMES = ("n_tok", "n_seq", "q", "n_clip", "sum_v", "sum_err2", "sum_r", "m2_r", "sum_e", "m2_e")
 N_STATS = len(STAT_NAMES)
-_M2_COLS = ((7, 6), (9, 8))  # (centred second moment, the sum it is centred on)
+# combine_stats merges the centred second moments as (sum, m2) column pairs 6..9
+assert STAT_NAMES[6:10] == ("sum_r", "m2_r", "sum_e", "m2_e")
 
 
 def combine_stats(rows: torch.Tensor, group: int | None = None) -> torch.Tensor:
@@ -40,14 +41,44 @@ def combine_stats(rows: torch.Tensor, group: int | None = None) -> torch.Tensor:
     """
     r = rows.double()
     out = r.sum(0)
-    n = r[:, 0]
-    total = out[0].clamp(min=1.0)
-    for m2, s in _M2_COLS:
-        mean_b = r[:, s] / n.clamp(min=1.0)
-        out[m2] = r[:, m2].sum() + (n * (mean_b - out[s] / total) ** 2).sum()
+    n = r[:, :1]
+    # both moments at once: columns 6..9 are (sum_r, m2_r, sum_e, m2_e), viewed as [R, 2, (sum, m2)] (slices, not
+    # index lists, which would copy an index tensor to the device at every call)
+    pairs = r[:, 6:10].reshape(-1, 2, 2)
+    mean_b = pairs[:, :, 0] / n.clamp(min=1.0)
+    mean = out[6:10].reshape(2, 2)[:, 0] / out[0].clamp(min=1.0)
+    out[6:10].view(2, 2)[:, 1] = pairs[:, :, 1].sum(0) + (n * (mean_b - mean) ** 2).sum(0)
     if group is not None:
         out[1] = (n.reshape(-1, group).sum(1) > 0).sum()
     return out
+
+
+def _clamp1(x: float) -> float:
+    return max(x, 1.0)  # NaN stays NaN (max returns its first argument when no comparison holds), as clamp(min=1)
+
+
+def _finalize_on_host(stats: torch.Tensor, normalizer, divisor: float, agg: str):
+    """`finalize` in Python float64 arithmetic (the same operations in the same order, so the same bits): on a CPU
+    reading 10 numbers costs nothing, while ~25 tensor ops on 0-d float64 tensors cost ~0.1 ms per call."""
+    n_tok, n_seq, q, n_clip, sum_v, sum_err2, sum_r, m2_r, _sum_e, m2_e = stats.double().tolist()
+    if normalizer is not None:
+        d = float(normalizer.reshape(()))
+    elif divisor > 0:
+        d = float(divisor)
+    elif agg == "token-mean":
+        d = _clamp1(n_tok)
+    elif agg == "token-sum":
+        d = 1.0
+    else:
+        d = _clamp1(n_seq)
+    scale = 1.0 / d
+    inv = 1.0 / _clamp1(n_tok)
+    var_r, var_e = m2_r * inv, m2_e * inv
+    ev = 1.0 - var_e / var_r if var_r > 0 else 0.0
+    f32 = torch.float32
+    return (torch.tensor(0.5 * q * scale, dtype=f32),
+            torch.tensor([n_clip * inv, ev, sum_v * inv, sum_r * inv, sum_err2 * inv, n_tok], dtype=f32),
+            torch.tensor(scale, dtype=f32))
 
 
 def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str):
@@ -57,6 +88,15 @@ def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str):
     seq-mean-token-sum-norm), else the mode's default: valid tokens (token-mean), 1
     (token-sum), non-empty sequences (seq-mean-*).
     """
+    if stats.device.type == "cpu":
+        try:
+            return _finalize_on_host(stats, normalizer, divisor, agg)
+        except ZeroDivisionError:  # a zero normalizer: the tensor path gives torch's inf / NaN
+            pass
+    return _finalize_tensors(stats, normalizer, divisor, agg)
+
+
+def _finalize_tensors(stats: torch.Tensor, normalizer, divisor: float, agg: str):
     st = stats.double()
     dev = st.device
     n_tok, n_seq = st[0], st[1]
@@ -72,10 +112,11 @@ def finalize(stats: torch.Tensor, normalizer, divisor: float, agg: str):
         d = n_seq.clamp(min=1.0)
     scale = 1.0 / d
     loss = 0.5 * st[2] * scale
-    inv = 1.0 / n_tok.clamp(min=1.0)
-    var_r, var_e = st[7] * inv, st[9] * inv
-    ev = torch.where(var_r > 0, 1.0 - var_e / torch.where(var_r > 0, var_r, 1.0), 0.0)
-    metrics = torch.stack([st[3] * inv, ev, st[4] * inv, st[6] * inv, st[5] * inv, n_tok])
+    # [vf_clip_frac, value_mean, value_error_mean, return_mean, Var(R), Var(R - v)] in one gather and one product
+    per_tok = st[3:10] * (1.0 / n_tok.clamp(min=1.0))  # n_clip, sum_v, sum_err2, sum_r, m2_r, sum_e, m2_e
+    var_r, var_e = per_tok[4], per_tok[6]
+    ev = torch.where(var_r > 0, 1.0 - var_e / var_r, 0.0)  # (var_r = 0: the division's inf / NaN is not taken)
+    metrics = torch.cat([per_tok[0:1], ev.reshape(1), per_tok[1:2], per_tok[3:4], per_tok[2:3], n_tok.reshape(1)])
     return loss.float(), metrics.float(), scale.float()
 
 

@@ -29,9 +29,14 @@ def set_value_checks(enabled: bool) -> None:
     _value_checks = bool(enabled)
 
 
+def tracing() -> bool:
+    """torch.compile / export is tracing, or a torch dispatch mode is active (FakeTensorMode, meta tracing, the
+    flop counter): tensors may hold no values, and cached real tensors must not leak into the trace."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def value_checks_enabled() -> bool:
-    # off while compiling and under a dispatch mode (FakeTensorMode, meta tracing): they read values on the host
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    if tracing():  # the checks read values on the host
         return False
     if _value_checks is not None:
         return _value_checks
@@ -184,7 +189,7 @@ def sequence_layout(name: str, x: torch.Tensor, cu_seqlens: torch.Tensor | None)
         b, t = shape
         if b == 0:
             raise ValueError(f"empty batch: {name} has no sequences (B = 0)")
-        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or x.device.type == "meta":
+        if tracing() or x.device.type == "meta":
             return torch.arange(b + 1, device=x.device, dtype=torch.int64) * t, t  # fake / traced: made fresh
         return _padded_cu_seqlens(b, t, x.device), t
     if x.dim() != 1:

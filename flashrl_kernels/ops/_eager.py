@@ -17,12 +17,14 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import tracing
+
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def needs_op(*tensors) -> bool:
     """True where the registered op must run instead of the eager Function (see the module docstring)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    if tracing():
         return True
     for t in tensors:
         if t is not None and (type(t) not in _PLAIN_TYPES or t.device.type == "meta"):

@@ -58,20 +58,22 @@ def run(report):
                     mode = "W8A8" if aq else "W8A16"
                     torch_ok = aq and dev.type == "cuda" and cuda_fast_path(dev.index or 0, dtype)
                     cands = _candidates(ql, cap, is_hip, dtype, aq, vllm, torch_ok, dev)
-                    # correctness of every candidate at M = 16 against the float64 spec
-                    x16 = x_all[:16]
-                    ref = scaled_linear_spec(x16.cpu(), q.cpu(), s.cpu(), bias.cpu(), aq)
-                    mag = x16.cpu().double().abs() @ dequantize_rows_spec(q.cpu(), s.cpu()).abs().T + \
-                        bias.cpu().double().abs()
-                    for kern in cands:
-                        try:
-                            y = ql.run_choice(kern, quantize_rows, x16, q, s, bias, cap, is_hip, sms)
-                            err = float(((y.cpu().double() - ref).abs() / (mag + 1e-6)).max())
-                            report.check(sec, f"{mode} {tag} {kern} N={n} K={k} vs spec (rel. |x||w|) <= 2^-7",
-                                         err <= 2**-7, f"{err:.2e}")
-                        except Exception as exc:
-                            report.check(sec, f"{mode} {tag} {kern} N={n} K={k} ran", False,
-                                         f"{type(exc).__name__}: {str(exc)[:120]}")
+                    # correctness of every candidate against the float64 spec: at M = 16 (decode tiles) and at a
+                    # prefill-like M (the large-M tiles; on sm_90 W8A16's transposed tile)
+                    for mc in (16, 70 if dry else 256):
+                        xc = x_all[:mc]
+                        ref = scaled_linear_spec(xc.cpu(), q.cpu(), s.cpu(), bias.cpu(), aq)
+                        mag = xc.cpu().double().abs() @ dequantize_rows_spec(q.cpu(), s.cpu()).abs().T + \
+                            bias.cpu().double().abs()
+                        for kern in cands:
+                            try:
+                                y = ql.run_choice(kern, quantize_rows, xc, q, s, bias, cap, is_hip, sms)
+                                err = float(((y.cpu().double() - ref).abs() / (mag + 1e-6)).max())
+                                report.check(sec, f"{mode} {tag} {kern} N={n} K={k} M={mc} vs spec (rel. |x||w|) "
+                                             "<= 2^-7", err <= 2**-7, f"{err:.2e}")
+                            except Exception as exc:
+                                report.check(sec, f"{mode} {tag} {kern} N={n} K={k} M={mc} ran", False,
+                                             f"{type(exc).__name__}: {str(exc)[:120]}")
                     for m in tokens:
                         xm = x_all[:m]
                         chosen = ql.select_scaled_linear(cap, is_hip, dtype, m, n, k, aq, xm.dtype, vllm, torch_ok)
@@ -87,7 +89,8 @@ def run(report):
                         if not aq and peak is not None:
                             # allowed: the output and the split-K plan's fp32 partials (split x M x N x 4 bytes)
                             wmb = n * k * 2 / 2**20
-                            split = ql.plan_tiles(m, n, k, sms, is_hip, xm.element_size()).split_k
+                            split = ql.plan_tiles(m, n, k, sms, is_hip, xm.element_size(), capability=cap,
+                                                  weight_only=True).split_k
                             room = (m * n * 4 * (1 + (split if split > 1 else 0))) / 2**20
                             report.check(sec, f"{mode} {tag} N={n} K={k} M={m}: no weight-sized temporary",
                                          peak < wmb / 4 + room, f"peak {peak:.1f} MB, bf16 weight {wmb:.1f} MB, "

@@ -4,7 +4,7 @@
     python bench/gpu_sweep_qlinear.py --dry-run  # plumbing on the CPU (Triton interpreter, tiny sizes)
 
 For 7B layer shapes, W8A16 (int8 and fp8 codes) and W8A8 INT8, and M from 1 to 4096, every plan of a small grid
-(tile shape, warps, stages, split-K) is checked against an fp32 product and timed as device time: several weight
+(tile shape, warps, stages, split-K; for W8A16 also the transposed tiles, swap_ab) is checked against an fp32 product and timed as device time: several weight
 copies (together over 3x the L2, so each call reads its weight from memory) captured in one CUDA graph, median
 of the replays. Beside them: the plan `plan_tiles` picks today, bf16 F.linear, and for INT8 torch._int_mm plus
 our epilogue. Prints the best plan per case and writes everything to $OUT/gpu_sweep_qlinear.json.
@@ -29,13 +29,21 @@ TILES = [
     (16, 64, 128, 4, 3), (16, 128, 128, 4, 4), (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4),
     (64, 128, 128, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
 ]
+# transposed tiles (TilePlan.swap_ab, W8A16): block_n is the wgmma's row side (64 per warpgroup)
+SWAP_TILES = [
+    (16, 64, 128, 4, 3), (16, 128, 128, 4, 4), (32, 128, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4),
+    (64, 128, 128, 4, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3),
+]
 SPLITS = [1, 2, 4, 8]
+MODES = {"W8A16 int8": (0, "int8"), "W8A16 fp8": (0, "fp8"), "W8A8 int8": (1, "int8")}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this many seconds")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated M values")
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,8 +63,14 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if not dry else "cpu (dry run)"
     print(f"gpu_sweep_qlinear on {name}: capability {cap}, {sms} SMs, L2 {l2 >> 20} MiB", flush=True)
     shapes = SHAPES if not dry else [(96, 256)]
-    tokens = TOKENS if not dry else [1, 40]
+    tokens = [int(t) for t in args.tokens.split(",")] if not dry else [1, 40]
     tiles = TILES if not dry else [(16, 64, 128, 4, 3), (32, 64, 64, 4, 3)]
+    swap_tiles = SWAP_TILES if not dry else [(16, 64, 128, 4, 3), (32, 64, 64, 4, 3)]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"unknown modes {bad}; known: {list(MODES)}", file=sys.stderr)
+        return 2
     t0 = time.time()
 
     def dev_ms(fns):
@@ -77,8 +91,9 @@ def main(argv=None) -> int:
         for m in tokens:
             x = x_all[:m]
             base = dev_ms([lambda wi=wi, x=x, bias=bias: torch.nn.functional.linear(x, wi, bias) for wi in w])
-            for mode, qdtype, x_codes in (("W8A16 int8", torch.int8, 0), ("W8A16 fp8", ql.FP8, 0),
-                                          ("W8A8 int8", torch.int8, 1)):
+            for mode in modes:
+                x_codes, qname = MODES[mode]
+                qdtype = torch.int8 if qname == "int8" else ql.FP8
                 if time.time() - t0 > args.budget_s:
                     print(f"budget spent: skipped {mode} N={n} K={k} M={m}", flush=True)
                     continue
@@ -93,17 +108,19 @@ def main(argv=None) -> int:
                 q0, s0 = qs[0]
                 ref = xf @ (q0.float() * s0[:, None]).T + bias.float()
                 tol = 1e-2 * float(ref.abs().max()) + 1e-3
-                cur = ql.plan_tiles(m, n, k, sms, is_hip)
+                cur = ql.plan_tiles(m, n, k, sms, is_hip, 2, int8_dot=x_codes == 1, capability=cap,
+                                    weight_only=x_codes == 0)
                 rows = []
                 plans = []
-                for (bm, bn, bk, warps, stages), split in itertools.product(tiles, SPLITS):
+                grid = [(t, False) for t in tiles] + ([(t, True) for t in swap_tiles] if x_codes == 0 else [])
+                for ((bm, bn, bk, warps, stages), swap), split in itertools.product(grid, SPLITS):
                     if bm > max(16, triton.next_power_of_2(m)) or (m > 64 and bm < 64):
                         continue
                     steps = triton.cdiv(k, bk)
                     if split > 1 and steps // split < 4:
                         continue
                     k_split = triton.cdiv(steps, split) * bk
-                    plans.append(ql.TilePlan(bm, bn, bk, triton.cdiv(k, k_split), k_split, warps, stages))
+                    plans.append(ql.TilePlan(bm, bn, bk, triton.cdiv(k, k_split), k_split, warps, stages, swap))
                 if cur not in plans:
                     plans.append(cur)
                 for plan in plans:
@@ -129,6 +146,10 @@ def main(argv=None) -> int:
                         extra["torch_int_mm"] = f"{type(exc).__name__}: {str(exc)[:80]}"
                 ok = [r for r in rows if "ms" in r]
                 best = min(ok, key=lambda r: r["ms"]) if ok else None
+                for swap in (False, True):
+                    side = [r for r in ok if r["plan"]["swap_ab"] == swap]
+                    if side:
+                        extra["best_swap" if swap else "best_plain"] = min(side, key=lambda r: r["ms"])
                 cur_ms = next((r["ms"] for r in ok if r.get("current")), None)
                 res = {"mode": mode, "n": n, "k": k, "m": m, "bf16_ms": base, "current_plan": cur.__dict__,
                        "current_ms": cur_ms, "best": best, "extra": extra, "rows": rows}
@@ -139,7 +160,10 @@ def main(argv=None) -> int:
                       f" us {bp.get('block_m')}x{bp.get('block_n')}x{bp.get('block_k')} w{bp.get('num_warps')} "
                       f"s{bp.get('num_stages')} split{bp.get('split_k')}"
                       + (f"  int_mm {extra['torch_int_mm'] * 1e3:7.1f} us" if isinstance(extra.get("torch_int_mm"),
-                                                                                        float) else ""),
+                                                                                        float) else "")
+                      + "".join(f"  {tag} {extra[key]['ms'] * 1e3:7.1f} us" for key, tag in
+                                (("best_plain", "plain"), ("best_swap", "swap")) if key in extra and x_codes == 0)
+                      + (" swap" if bp.get("swap_ab") else ""),
                       flush=True)
                 errs = [r["error"] for r in rows if "error" in r]
                 if errs:

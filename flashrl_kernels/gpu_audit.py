@@ -382,14 +382,14 @@ def _qlinear_specs(quick: bool) -> list[Spec]:
         groups = []  # (targets, capability the plan is made for)
         for is_hip in (False, True):
             targets = tuple(a for a in archs if (a == "gfx942") == is_hip)
-            if x_codes == 1 and not is_hip and "90" in targets:  # sm_90 has its own INT8 tiles
+            if x_codes in (0, 1) and not is_hip and "90" in targets:  # sm_90: own INT8 tiles, transposed W8A16
                 groups.append((("90",), (9, 0), False))
                 targets = tuple(a for a in targets if a != "90")
             if targets:
                 groups.append((targets, None, is_hip))
         for targets, cap, is_hip in groups:
             plan = m.plan_tiles(mm, n, k, 304 if is_hip else 132, is_hip, 4 if xdt == FP32 else 2,
-                                int8_dot=x_codes == 1, capability=cap)
+                                int8_dot=x_codes == 1, capability=cap, weight_only=x_codes == 0)
 
             def build(x_codes=x_codes, decode=decode, xdt=xdt, qdt=qdt, mm=mm, n=n, k=k, bias=bias, plan=plan):
                 x = torch.zeros(mm, k, dtype=xdt)
@@ -401,21 +401,24 @@ def _qlinear_specs(quick: bool) -> list[Spec]:
                     x, xs, q, s, b, BF16 if xdt != FP16 else FP16, x_codes, decode, plan, for_gpu=True))
 
             label = (f"{tag} M={mm} N={n} K={k} tile {plan.block_m}x{plan.block_n}x{plan.block_k} "
-                     f"split {plan.split_k} stages {plan.num_stages}")
+                     f"split {plan.split_k} stages {plan.num_stages}" + (" transposed" if plan.swap_ab else ""))
             out.append(Spec("w8_linear", label, streaming, build, targets))
 
     i8 = torch.int8
-    # weight-only (W8A16): int8 everywhere; fp8 by integer decoding (sm_80/86, MI300) or the hardware (sm_89+)
+    # weight-only (W8A16): int8 everywhere; fp8 by integer decoding (sm_80/86, MI300) or the hardware (sm_89+:
+    # e4m3 -> f16 conversion, then integer ops to bf16, mode 3; fp16 activations take the conversion alone)
     add("w8a16 int8 x bf16", 0, 0, BF16, i8, 1, 4096, 4096, nv + hip)
     add("w8a16 fp8(int decode) x bf16", 0, 1, BF16, FP8, 1, 4096, 4096, pre89 + hip)
-    add("w8a16 fp8(hw cvt) x bf16", 0, 2, BF16, FP8, 1, 4096, 4096, post89)
+    add("w8a16 fp8(hw cvt) x bf16", 0, 3, BF16, FP8, 1, 4096, 4096, post89)
     add("w8a16 int8 x bf16", 0, 0, BF16, i8, 4096, 4096, 4096, nv + hip, streaming=False)
     add("w8a16 fp8(int decode) x bf16", 0, 1, BF16, FP8, 4096, 4096, 4096, pre89 + hip, streaming=False)
     # W8A8: int8 dot (small M; large M without torch._int_mm), fp8 codes widened to bf16 (no fp8 tensor cores)
     add("w8a8 int8", 1, 0, torch.int8, i8, 1, 4096, 4096, nv + hip)
     add("w8a8 fp8 widened(int decode)", 2, 1, FP8, FP8, 1, 4096, 4096, pre89 + hip)
     if not quick:
-        add("w8a16 fp8(hw cvt) x bf16", 0, 2, BF16, FP8, 4096, 4096, 4096, post89, streaming=False)
+        add("w8a16 fp8(hw cvt) x bf16", 0, 3, BF16, FP8, 4096, 4096, 4096, post89, streaming=False)
+        add("w8a16 fp8(hw cvt) x fp16", 0, 3, FP16, FP8, 256, 4096, 4096, post89)
+        add("w8a16 int8 x bf16", 0, 0, BF16, i8, 256, 4096, 4096, nv + hip)
         add("w8a16 int8 x fp16", 0, 0, FP16, i8, 32, 18944, 4096, nv + hip)
         add("w8a16 int8 x bf16", 0, 0, BF16, i8, 64, 4096, 18944, nv + hip)
         add("w8a16 int8 x bf16 (K not a multiple of 128)", 0, 0, BF16, i8, 16, 896, 1000, nv + hip)
@@ -423,7 +426,7 @@ def _qlinear_specs(quick: bool) -> list[Spec]:
         add("w8a8 int8", 1, 0, torch.int8, i8, 64, 18944, 4096, nv + hip)
         add("w8a8 int8", 1, 0, torch.int8, i8, 4096, 4096, 4096, nv + hip, streaming=False)
         add("w8a8 fp8 widened(int decode)", 2, 1, FP8, FP8, 4096, 4096, 4096, pre89 + hip, streaming=False)
-        add("w8a8 fp8 widened(hw cvt)", 2, 2, FP8, FP8, 1, 4096, 4096, post89)
+        add("w8a8 fp8 widened(hw cvt)", 2, 3, FP8, FP8, 1, 4096, 4096, post89)
 
     # the epilogue pass: split-K partials (fp32 / int32) and torch._int_mm's int32 output
     for x_codes, pdt, odt in ((1, torch.int32, BF16), (0, FP32, BF16), (2, FP32, FP16)) if not quick else (

@@ -94,7 +94,7 @@ def test_selection_on_rocm():
     assert _select(None, FP8, 4096, False, hip=True) == q.TRITON_W8A16
     assert q.fp8_decode_mode(None, True) == 1
     assert q.fp8_decode_mode(A100, False) == 1 and q.fp8_decode_mode(A6000, False) == 1
-    assert q.fp8_decode_mode(L40, False) == 2 and q.fp8_decode_mode(B200, False) == 2
+    assert q.fp8_decode_mode(L40, False) == 3 and q.fp8_decode_mode(B200, False) == 3
 
 
 def test_selection_rejects_other_dtypes():
@@ -150,6 +150,28 @@ def test_sm90_int8_tiles():
     assert q.plan_tiles(16, 4096, 4096, 132, int8_dot=True, capability=(9, 0)) == q.plan_tiles(16, 4096, 4096, 132)
 
 
+def test_sm90_weight_only_plans_compute_the_tile_transposed():
+    q = ql()
+    for m in (256, 512, 4096):
+        p = q.plan_tiles(m, 4096, 4096, 132, capability=(9, 0), weight_only=True)
+        assert p.swap_ab and (p.block_m, p.block_n, p.block_k, p.num_warps, p.num_stages) == (256, 128, 64, 8, 3)
+        programs = -(-m // p.block_m) * -(-4096 // p.block_n) * p.split_k
+        assert programs <= 132 or p.split_k == 1  # near one wide program per SM (measured best)
+    # below M = 256 (decode and small batches) the plain tiles were faster: unchanged
+    for m in (1, 16, 64, 128):
+        assert q.plan_tiles(m, 4096, 4096, 132, capability=(9, 0), weight_only=True) == q.plan_tiles(m, 4096, 4096, 132)
+    # elsewhere (wgmma is sm_90's) and for W8A8 / fp32 activations nothing changes
+    for cap in ((8, 0), (8, 9), (10, 0)):
+        assert not q.plan_tiles(4096, 4096, 4096, 132, capability=cap, weight_only=True).swap_ab
+    assert not q.plan_tiles(4096, 4096, 4096, 132, int8_dot=True, capability=(9, 0)).swap_ab
+    assert not q.plan_tiles(4096, 4096, 4096, 132, x_bytes=4, capability=(9, 0), weight_only=True).swap_ab
+
+
+def test_decode_split_rounds_up():
+    # 172 column tiles (N = 11008) on 132 SMs: split in 2 (measured 15 % faster than unsplit on an H200)
+    assert ql().plan_tiles(1, 11008, 4096, 132).split_k == 2
+
+
 def test_decode_plan_fills_an_h100():
     p = ql().plan_tiles(1, 4096, 4096, 132)
     assert (p.block_m, p.block_n, p.block_k) == (16, 64, 128)
@@ -174,10 +196,14 @@ def _check(y, x, q, s, bias, aq, tol=None):
     assert (err <= tol * mag + 1e-6).all(), float((err / mag).max())
 
 
-PLANS = {  # (block_m, block_n, block_k, split_k, k_split, warps, stages) for K = 300: split / not, even K / not
+PLANS = {  # (block_m, block_n, block_k, split_k, k_split, warps, stages[, swap_ab]) for K = 300: split / not, even
+    # K / not, the tile computed transposed or not
     "split3": (16, 64, 32, 3, 128, 4, 1),
     "split2-evenK": (16, 32, 32, 2, 160, 4, 1),
     "one": (32, 32, 64, 1, 320, 4, 1),
+    "swap-split3": (16, 64, 32, 3, 128, 4, 1, True),
+    "swap-split2-evenK": (16, 32, 32, 2, 160, 4, 1, True),
+    "swap-one": (32, 32, 64, 1, 320, 4, 1, True),
 }
 
 
@@ -187,7 +213,7 @@ PLANS = {  # (block_m, block_n, block_k, split_k, k_split, warps, stages) for K 
 @pytest.mark.parametrize("qdtype,decode", [(I8, 0), (FP8, 1), (FP8, 2)], ids=["int8", "fp8-int-decode", "fp8-hw-cvt"])
 def test_w8a16_kernel(plan, qdtype, xdtype, decode):
     q_ = ql()
-    k = 320 if plan == "split2-evenK" else 300
+    k = 320 if plan.endswith("split2-evenK") else 300
     q, s = _weights(40, k, qdtype)
     x = torch.randn(7, k, device=DEVICE).to(xdtype)
     bias = torch.randn(40, device=DEVICE).to(xdtype)
@@ -204,7 +230,7 @@ def test_w8a8_kernels(plan, qdtype, bias):
     from flashrl_kernels.triton_impl.quantize import quantize_rows
 
     q_ = ql()
-    k = 320 if plan == "split2-evenK" else 300
+    k = 320 if plan.endswith("split2-evenK") else 300
     q, s = _weights(40, k, qdtype, seed=1)
     x = torch.randn(19, k, device=DEVICE).to(torch.bfloat16)
     b = torch.randn(40, device=DEVICE).to(torch.bfloat16) if bias else None
@@ -226,7 +252,24 @@ def test_int8_split_partials_are_summed_exactly():
     assert torch.equal(y1, y4)
 
 
-@pytest.mark.parametrize("decode", [1, 2], ids=["int-decode", "hw-cvt"])
+def test_e4m3_to_bf16_bit_recipe_is_exact():
+    # the integer recipe of _e4m3x4_to_bf16 (sm_89+, inline assembly: compiled by the audit, not run here), replayed
+    # on the fp16 bits torch gives for every finite e4m3fn code: sign kept, the rest shifted right by 3 (the value
+    # times 2^-112 as bf16 bits), then one bf16 multiply by 2^112 must give the code's value exactly
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8)
+    codes = codes[torch.isfinite(codes.float())]
+    h = codes.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF  # cvt.rn.f16x2.e4m3x2
+    b = (h & 0x8000) | ((h >> 3) & 0x0FFF)
+    scaled = b.to(torch.int16).view(torch.bfloat16)
+    assert bool((scaled.float().abs()[codes.float() != 0] >= 2.0 ** -126).all())  # normal bf16: no subnormal input
+    two112 = torch.tensor(0x7780, dtype=torch.int16).view(torch.bfloat16)
+    assert float(two112) == 2.0 ** 112
+    out = scaled * two112
+    assert torch.equal(out.float(), codes.float())
+    assert torch.equal(torch.signbit(out), torch.signbit(codes.float()))  # -0 stays -0
+
+
+@pytest.mark.parametrize("decode", [1, 2, 3], ids=["int-decode", "hw-cvt", "hw-cvt-bf16-ops"])
 def test_every_e4m3fn_code_widens_exactly(decode):
     # x = identity: y[i, j] = code[j, i] * 1. Every finite e4m3fn byte (subnormals, +-0, +-448)
     q_ = ql()

@@ -114,9 +114,11 @@ def select_scaled_linear(capability: tuple[int, int] | None, is_hip: bool, qdtyp
 
 
 def fp8_decode_mode(capability: tuple[int, int] | None, is_hip: bool) -> int:
-    """How the kernels widen e4m3fn bytes: 2 = the hardware conversion (CUDA sm_89+), 1 = integer arithmetic
-    (sm_80 / sm_86, where Triton has no e4m3 type, and ROCm, whose native fp8 is another encoding)."""
-    return 2 if (not is_hip and capability is not None and tuple(capability) >= (8, 9)) else 1
+    """How the kernels widen e4m3fn bytes: 3 = the hardware e4m3 -> f16 conversion and, for bf16, integer ops and one
+    bf16x2 multiply (CUDA sm_89+, `_e4m3x4_to_bf16`), 1 = integer arithmetic (sm_80 / sm_86, where Triton has no
+    e4m3 type, and ROCm, whose native fp8 is another encoding). (2, Triton's own conversion, is what mode 3 runs
+    in the interpreter, which has no inline assembly.)"""
+    return 3 if (not is_hip and capability is not None and tuple(capability) >= (8, 9)) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,15 +130,17 @@ class TilePlan:
     k_split: int  # K elements per split (a multiple of block_k)
     num_warps: int
     num_stages: int
+    swap_ab: bool = False  # compute y.T tiles: the widened weight is the dot's first operand (W8A16 only)
 
 
 def plan_tiles(m: int, n: int, k: int, sms: int, is_hip: bool = False, x_bytes: int = 2, int8_dot: bool = False,
-               capability: tuple[int, int] | None = None) -> TilePlan:
+               capability: tuple[int, int] | None = None, weight_only: bool = False) -> TilePlan:
     """Tile shape and split-K for the Triton kernels: small M is bound by the weight's bytes, so N is cut in 64
     columns; larger M takes 128 x 128 tiles. At any M, K is split while the (M, N) tiles alone would give fewer
     than two programs per SM (at most 8 splits, at least 4 K steps each). fp32 activations (x_bytes 4) take an
-    IEEE fp32 dot, which holds its tiles in registers: 32-wide K and N tiles. int8_dot (W8A8 INT8) on sm_90 takes
-    the tiles measured best there (bench/gpu_sweep_qlinear.py on an H200, 2026-12-04; docs/gpu.md)."""
+    IEEE fp32 dot, which holds its tiles in registers: 32-wide K and N tiles. On sm_90, int8_dot (W8A8 INT8) and
+    weight_only (W8A16) take the tiles measured best there (bench/gpu_sweep_qlinear.py on an H200, 2026-12-04;
+    docs/gpu.md)."""
     stages = 2 if (is_hip or x_bytes == 4) else 3  # fp32: a third stage made ptxas spill 8 bytes (sm_90)
     if m <= SMALL_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -151,24 +155,68 @@ def plan_tiles(m: int, n: int, k: int, sms: int, is_hip: bool = False, x_bytes: 
             # H200: 64 x 128 x 128 up to M = 512 and 128 x 128 x 64 with 4 warps and 4 stages from M = 1024 were
             # within 1-9 % of the best of 40 plans per case; the 8-warp, 3-stage tile was 16-27 % slower there
             bm, bn, bk, warps, stages = (64, 128, 128, 4, 3) if m < 1024 else (128, 128, 64, 4, 4)
+    swap = False
+    if weight_only and x_bytes == 2 and m >= 256 and not is_hip and capability is not None and capability[0] == 9:
+        # sm_90 W8A16 from M = 256: the tile computed transposed (the weight widened in registers is the wgmma's
+        # register operand, not written back to shared memory first), 256 x-rows wide; on the H200 3-10 % faster
+        # than the best plain tile at M = 256 ... 4096, slower below (bench/gpu_sweep_qlinear.py, 2026-12-04)
+        swap = True
+        bm, bn, bk, warps, stages = 256, 128, 64, 8, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = 1
     steps = triton.cdiv(k, bk)
-    if tiles < 2 * sms:
-        # (M = 128 ... 512 without it left most SMs idle: W8A16 on the H200 was 2-3.3x slower than with it)
-        split = max(1, min(8, (2 * sms) // max(tiles, 1), steps // 4))  # at least 4 K steps per program
+    want = sms if swap else 2 * sms  # programs: the wide transposed tiles were fastest near one per SM
+    if tiles < want:
+        # (M = 128 ... 512 without it left most SMs idle: W8A16 on the H200 was 2-3.3x slower than with it);
+        # decode rounds up: 172 column tiles of an 11008-row layer ran 15 % faster split in 2 than unsplit
+        per = -(-want // tiles) if m <= 16 else want // tiles
+        split = max(1, min(8, per, steps // 4))  # at least 4 K steps per program
     k_split = triton.cdiv(steps, split) * bk
     split = triton.cdiv(k, k_split)
-    return TilePlan(bm, bn, bk, split, k_split, warps, stages)
+    return TilePlan(bm, bn, bk, split, k_split, warps, stages, swap)
 
 
 # ---- kernels ----
 
 
 @triton.jit
+def _e4m3x4_to_bf16(codes):
+    """e4m3fn bytes -> bf16, four per asm block: the hardware e4m3x2 -> f16x2 conversion (sm_89+), then fp16 bits
+    -> bf16 bits by integer ops on both halves at once (sign kept, exponent and mantissa shifted right by 3: the
+    value times 2^-112, a normal bf16 for every finite e4m3 code) and one bf16x2 multiply by 2^112 (exact).
+    Triton's own fp8 -> bf16 path converts every element again f16 -> bf16 on the slow conversion unit (1/4 rate
+    on sm_90): that made FP8 decode ~30 % slower than INT8 on an H200. NaN codes (never written by the quantizer)
+    come out finite."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b16 lo, hi;
+        .reg .b32 h0, h1, s0, s1, k, z;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 h0, lo;
+        cvt.rn.f16x2.e4m3x2 h1, hi;
+        shr.b32 s0, h0, 3;
+        shr.b32 s1, h1, 3;
+        and.b32 s0, s0, 0x0FFF0FFF;
+        and.b32 s1, s1, 0x0FFF0FFF;
+        and.b32 h0, h0, 0x80008000;
+        and.b32 h1, h1, 0x80008000;
+        or.b32 s0, s0, h0;
+        or.b32 s1, s1, h1;
+        mov.b32 k, 0x77807780;
+        mov.b32 z, 0x80008000;
+        fma.rn.bf16x2 $0, s0, k, z;
+        fma.rn.bf16x2 $1, s1, k, z;
+        }
+        """,
+        "=r,=r,r", [codes], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
 def widen_codes(codes, DECODE: tl.constexpr, DTYPE: tl.constexpr):
     """int8 codes (DECODE 0) or e4m3fn bytes (uint8; DECODE 1: integer arithmetic, any GPU; 2: the hardware
-    conversion, sm_89+) as DTYPE. Exact: every code is representable in bf16 / fp16 / fp32."""
+    conversion, sm_89+; 3: as 2, but to bf16 by `_e4m3x4_to_bf16`) as DTYPE. Exact: every code is representable
+    in bf16 / fp16 / fp32."""
     if DECODE == 0:
         w = codes.to(tl.float32).to(DTYPE)  # (the interpreter cannot convert int8 to bf16 directly)
     elif DECODE == 1:
@@ -177,6 +225,8 @@ def widen_codes(codes, DECODE: tl.constexpr, DTYPE: tl.constexpr):
         b = codes.to(tl.int16)
         h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
         w = (h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(DTYPE)
+    elif DECODE == 3 and DTYPE == tl.bfloat16:
+        w = _e4m3x4_to_bf16(codes)
     else:
         w = codes.to(tl.float8e4nv, bitcast=True).to(DTYPE)
     return w
@@ -196,15 +246,23 @@ def _scale_epilogue(acc, rm, rn, XS, S, BIAS, M, N, X_CODES: tl.constexpr, HAS_B
 
 @triton.jit
 def _dot_step(a, b, acc, X_CODES: tl.constexpr, W_DECODE: tl.constexpr, CDTYPE: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc += a @ widen(b) for an x tile a [BM, BK] and a weight tile b [BK, BN]; SWAP_AB: acc += widen(b) @ a for
+    a weight tile b [BN, BK] and an x tile a [BK, BM] (the accumulator is the transposed output tile)."""
     if X_CODES == 1:
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        if SWAP_AB:
+            acc = tl.dot(b, a, acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     else:
         if X_CODES == 2:
             a = widen_codes(a, W_DECODE, CDTYPE)
         else:
             a = a.to(CDTYPE)
-        acc = tl.dot(a, widen_codes(b, W_DECODE, CDTYPE), acc, input_precision=PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(widen_codes(b, W_DECODE, CDTYPE), a, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, widen_codes(b, W_DECODE, CDTYPE), acc, input_precision=PRECISION)
     return acc
 
 
@@ -212,7 +270,7 @@ def _dot_step(a, b, acc, X_CODES: tl.constexpr, W_DECODE: tl.constexpr, CDTYPE: 
 def _w8_linear_kernel(
     X, XS, Q, S, BIAS, Y, P, M, N, K, stride_xm, stride_qn, stride_ym, K_SPLIT,
     X_CODES: tl.constexpr, W_DECODE: tl.constexpr, CDTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of x @ q.T over K[pid_k * K_SPLIT : (pid_k + 1) * K_SPLIT].
@@ -220,6 +278,9 @@ def _w8_linear_kernel(
     X_CODES 0: x is float (W8A16): q widened to CDTYPE (x's dtype; fp32 under the interpreter), fp32 accumulation.
     X_CODES 1: x holds int8 codes (W8A8 INT8): int8 x int8 -> int32 dot.
     X_CODES 2: x holds e4m3fn bytes (W8A8 FP8): both widened to bf16 (CDTYPE), fp32 accumulation.
+    SWAP_AB: the tile is computed transposed, widen(q) @ x.T, so the widened weight is the dot's first operand:
+    on sm_90 that operand of a wgmma may come from registers, while a second operand widened in registers is
+    written back to shared memory first (and the weight's N, not M, fills the MMA's 64-row side at small M).
     The K loop runs over whole BLOCK_K steps without a mask along K (vector loads, software pipelined); a K
     that is not a multiple of BLOCK_K (EVEN_K False) ends with one masked step.
     SPLIT: write the raw partial sums to P[pid_k] (the epilogue kernel adds them up); else the scaled output.
@@ -231,31 +292,43 @@ def _w8_linear_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     k0 = pid_k.to(tl.int64) * K_SPLIT
-    x_ptrs = X + rm.to(tl.int64)[:, None] * stride_xm + (k0 + rk)[None, :]
-    q_ptrs = Q + rn.to(tl.int64)[None, :] * stride_qn + (k0 + rk)[:, None]
-    m_in = (rm < M)[:, None]
-    n_in = (rn < N)[None, :]
-    if X_CODES == 1:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if SWAP_AB:
+        x_ptrs = X + rm.to(tl.int64)[None, :] * stride_xm + (k0 + rk)[:, None]  # x.T tile [BK, BM]
+        q_ptrs = Q + rn.to(tl.int64)[:, None] * stride_qn + (k0 + rk)[None, :]  # q tile [BN, BK]
+        x_in = (rm < M)[None, :]
+        q_in = (rn < N)[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32 if X_CODES == 1 else tl.float32)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_ptrs = X + rm.to(tl.int64)[:, None] * stride_xm + (k0 + rk)[None, :]
+        q_ptrs = Q + rn.to(tl.int64)[None, :] * stride_qn + (k0 + rk)[:, None]
+        x_in = (rm < M)[:, None]
+        q_in = (rn < N)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if X_CODES == 1 else tl.float32)
     if EVEN_K:
         k_full = K_SPLIT
     else:
         k_len = tl.minimum(K_SPLIT, K - k0).to(tl.int32)
         k_full = (k_len // BLOCK_K) * BLOCK_K
     for kk in range(0, k_full, BLOCK_K):
-        a = tl.load(x_ptrs, mask=m_in, other=0)
-        b = tl.load(q_ptrs, mask=n_in, other=0)
-        acc = _dot_step(a, b, acc, X_CODES, W_DECODE, CDTYPE, PRECISION)
+        a = tl.load(x_ptrs, mask=x_in, other=0)
+        b = tl.load(q_ptrs, mask=q_in, other=0)
+        acc = _dot_step(a, b, acc, X_CODES, W_DECODE, CDTYPE, PRECISION, SWAP_AB)
         x_ptrs += BLOCK_K
         q_ptrs += BLOCK_K
     if not EVEN_K:  # noqa: SIM102 (compile-time branch: k_len exists only here)
         if k_full < k_len:
             k_in = (k_full + rk) < k_len
-            a = tl.load(x_ptrs, mask=m_in & k_in[None, :], other=0)
-            b = tl.load(q_ptrs, mask=n_in & k_in[:, None], other=0)
-            acc = _dot_step(a, b, acc, X_CODES, W_DECODE, CDTYPE, PRECISION)
+            if SWAP_AB:
+                a = tl.load(x_ptrs, mask=x_in & k_in[:, None], other=0)
+                b = tl.load(q_ptrs, mask=q_in & k_in[None, :], other=0)
+            else:
+                a = tl.load(x_ptrs, mask=x_in & k_in[None, :], other=0)
+                b = tl.load(q_ptrs, mask=q_in & k_in[:, None], other=0)
+            acc = _dot_step(a, b, acc, X_CODES, W_DECODE, CDTYPE, PRECISION, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    m_in = (rm < M)[:, None]
+    n_in = (rn < N)[None, :]
     if SPLIT:
         p_ptrs = P + pid_k.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(p_ptrs, acc, mask=m_in & n_in)
@@ -315,6 +388,7 @@ def w8_linear(x, xs, q, scale, bias, out_dtype, x_codes: int, w_decode: int, pla
         # Triton's interpreter multiplies bf16 / fp16 tiles as raw integers: its dots run in fp32 (exact for the
         # widened codes), so there the widening, masking and epilogues are what is checked, not the dot's dtype
         cdtype, precision = tl.float32, "ieee"
+        w_decode = 2 if w_decode == 3 else w_decode  # (no inline assembly in the interpreter)
     elif x_codes == 0:
         cdtype, precision = _TL[x.dtype], ("ieee" if x.dtype == torch.float32 else "tf32")
     else:
@@ -327,7 +401,7 @@ def w8_linear(x, xs, q, scale, bias, out_dtype, x_codes: int, w_decode: int, pla
         xa, xs if xs is not None else scale, codes, scale, bias if bias is not None else scale, y, part,
         m, n, k, xa.stride(0), codes.stride(0), y.stride(0), plan.k_split,
         X_CODES=x_codes, W_DECODE=w_decode, CDTYPE=cdtype, PRECISION=precision, HAS_BIAS=bias is not None,
-        SPLIT=split, EVEN_K=(k % plan.k_split == 0 and plan.k_split % plan.block_k == 0),
+        SPLIT=split, EVEN_K=(k % plan.k_split == 0 and plan.k_split % plan.block_k == 0), SWAP_AB=plan.swap_ab,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
@@ -454,7 +528,7 @@ def run_choice(kernel: str, quantize, x2d, q, scale, bias, cap, is_hip, sms):
     decode = fp8_decode_mode(cap, is_hip)
     if kernel == TRITON_W8A16:
         return w8_linear(x, None, q, scale, bias, out_dtype, 0, 0 if q.dtype == torch.int8 else decode,
-                         plan_tiles(m, n, k, sms, is_hip, x.element_size()))
+                         plan_tiles(m, n, k, sms, is_hip, x.element_size(), capability=cap, weight_only=True))
     xq, xs = quantize(x, q.dtype)
     if kernel == VLLM_CUTLASS:
         return vllm_scaled_mm(_vllm_ops(), xq, xs, q, scale, bias, out_dtype)

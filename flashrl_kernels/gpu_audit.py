@@ -296,6 +296,28 @@ def _policy_specs(quick: bool) -> list[Spec]:
                     torch.ones(n, dtype=torch.bool) if has_mask else None, _cu(nseq, length), torch.ones(()), length))
 
             out.append(Spec("policy_loss_bwd", tag, True, bwd))
+    out += _finalize_specs()
+    return out
+
+
+def _finalize_specs() -> list[Spec]:
+    """The one-program merge + finalize after the loss kernels (triton_impl/loss_finalize.py)."""
+    from .triton_impl import loss_finalize as m
+    from .torch_impl.policy_loss import N_STATS as POLICY_STATS
+    from .torch_impl.value_loss import N_STATS as VALUE_STATS
+
+    out = []
+    for has_norm, agg in ((False, "token-mean"), (True, "seq-mean-token-mean")):
+        def policy(has_norm=has_norm, agg=agg):
+            return capture(m, "_policy_finalize_kernel", lambda: m.policy_finalize(
+                torch.zeros(256, POLICY_STATS), torch.ones(()) if has_norm else None, 0.0, agg))
+
+        def value(has_norm=has_norm, agg=agg):
+            return capture(m, "_value_finalize_kernel", lambda: m.value_finalize(
+                torch.zeros(256 * 3, VALUE_STATS), 3, torch.ones(()) if has_norm else None, 0.0, agg))
+
+        out.append(Spec("policy_finalize", f"{agg} normalizer={has_norm}", False, policy))
+        out.append(Spec("value_finalize", f"{agg} normalizer={has_norm}", False, value))
     return out
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 EXPECTED_KERNELS = {
     "quantize_rows", "token_logprobs_fwd", "token_logprobs_bwd", "linear_logprobs_fwd_tile",
     "linear_logprobs_bwd_tile", "policy_loss_fwd", "policy_loss_bwd", "value_loss_fwd", "value_loss_bwd",
-    "gae_fwd", "gae_whiten", "w8_linear", "w8_epilogue",
+    "gae_fwd", "gae_whiten", "w8_linear", "w8_epilogue", "policy_finalize", "value_finalize",
 }
 
 

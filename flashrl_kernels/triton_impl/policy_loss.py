@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..torch_impl.policy_loss import N_STATS, combine_stats, finish
+from .loss_finalize import policy_finalize
 
 _LEVELS = {"token": 0, "sequence": 1, "sequence_token": 2}
 ALIGN = 16  # tokens: a sequence's tiles start at a multiple of this (see the module docstring)
@@ -377,6 +378,9 @@ def policy_loss_forward(logp, old_logp, advantages, mask, cu_seqlens, rollout_lo
         TIS_MIN=float(tis_min), TIS_MAX=float(tis_max), BETA=float(beta), ENT_COEF=float(entropy_coef),
         NSTATS=N_STATS, BLOCK=block, ALIGN=ALIGN, num_warps=warps, **register_cap(dev),
     )
+    if positive is None:  # merge + finalize in one launch (loss_finalize.py)
+        loss, metrics, scale = policy_finalize(stats, normalizer, divisor, agg)
+        return loss, metrics, g_tok, g_ent, seq_coef, scale
     return finish(combine_stats(stats), g_tok, g_ent, seq_coef, logp, mask, cu_seqlens, uniform_len, normalizer,
                   divisor, agg, positive, nll_coef)
 

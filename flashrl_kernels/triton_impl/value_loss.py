@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..torch_impl.value_loss import N_STATS, combine_stats, finalize
+from ..torch_impl.value_loss import N_STATS
+from .loss_finalize import value_finalize
 from .policy_loss import ALIGN, _ld, _st, _valid
 
 
@@ -201,7 +202,7 @@ def value_loss_forward(values, old_values, returns, mask, cu_seqlens, normalizer
         HAS_MASK=mask is not None, HAS_CLIP=has_clip, SEQ_MEAN=agg == "seq-mean-token-mean", STORE_G=bool(need_grad),
         CLIP=float(clip_range), NSTATS=N_STATS, BLOCK=block, ALIGN=ALIGN, num_warps=warps,
     )
-    loss, metrics, scale = finalize(combine_stats(rows, group=split), normalizer, divisor, agg)
+    loss, metrics, scale = value_finalize(rows, split, normalizer, divisor, agg)  # one launch (loss_finalize.py)
     return loss, metrics, g_tok, scale
 
 

@@ -302,9 +302,9 @@ def _policy_specs(quick: bool) -> list[Spec]:
 
 def _finalize_specs() -> list[Spec]:
     """The one-program merge + finalize after the loss kernels (triton_impl/loss_finalize.py)."""
-    from .triton_impl import loss_finalize as m
     from .torch_impl.policy_loss import N_STATS as POLICY_STATS
     from .torch_impl.value_loss import N_STATS as VALUE_STATS
+    from .triton_impl import loss_finalize as m
 
     out = []
     for has_norm, agg in ((False, "token-mean"), (True, "seq-mean-token-mean")):

@@ -167,9 +167,11 @@ def test_sm90_weight_only_plans_compute_the_tile_transposed():
     assert not q.plan_tiles(4096, 4096, 4096, 132, x_bytes=4, capability=(9, 0), weight_only=True).swap_ab
 
 
-def test_decode_split_rounds_up():
-    # 172 column tiles (N = 11008) on 132 SMs: split in 2 (measured 15 % faster than unsplit on an H200)
+def test_decode_split_never_leaves_the_weight_unsplit_when_tiles_fall_short():
+    # 172 column tiles (N = 11008) on 132 SMs: split in 2 (measured 15 % faster than unsplit on an H200); 64 tiles
+    # keep the floor of 264 / 64 = 4 (the sweep's best there)
     assert ql().plan_tiles(1, 11008, 4096, 132).split_k == 2
+    assert ql().plan_tiles(1, 4096, 4096, 132).split_k == 4
 
 
 def test_decode_plan_fills_an_h100():

@@ -9,8 +9,9 @@ sequence length, 256..1024, known on the host without a sync); when a
 per-sequence value is needed before the token terms (GSPO, sequence TIS,
 seq-mean-token-mean) it makes a first pass over the tiles (the sequence's few
 KiB stay in L2 for the second). Each program writes one row of statistics
-[S, 19]; a small torch reduction over S (combine_stats/finalize, shared with
-the torch backend) makes the loss and the metrics. All hyper-parameters are
+[S, 19]; one more program (loss_finalize.policy_finalize, the torch backend's
+combine_stats + finalize arithmetic) makes the loss and the metrics (VAPO's NLL
+term: the torch finish). All hyper-parameters are
 tl.constexpr. The backward is one more per-sequence pass:
 grad = (g_tok + mask * seq_coef[i]) * grad_loss / divisor.
 

@@ -18,8 +18,10 @@ tested without a GPU. What runs (docs/gpu.md has the per-GPU table):
     the Triton kernel with both operands' fp8 codes widened to bf16 in registers (exact) and a bf16 tensor-core
     dot; the same math as W8A8, no fp8 hardware needed.
 - W8A16 (weight-only): the Triton kernel, codes widened to x's dtype in registers (int8: exact; fp8: decoded
-  from the e4m3fn bytes by integer arithmetic below sm_89 and on ROCm, by the hardware conversion on sm_89+),
-  fp32 accumulation, scale and bias in the epilogue. Never a dequantized bf16 copy of the weight. (vLLM runs
+  from the e4m3fn bytes by integer arithmetic below sm_89 and on ROCm, by the hardware e4m3 -> f16 conversion
+  plus integer ops to bf16 on sm_89+, `_e4m3x4_to_bf16`), fp32 accumulation, scale and bias in the epilogue;
+  on sm_90 from M = 256 the tile is computed transposed (`TilePlan.swap_ab`: the widened weight is the wgmma's
+  register operand). Never a dequantized bf16 copy of the weight. (vLLM runs
   FP8 weight-only through Marlin on sm_80, which needs the weight repacked into Marlin's tile layout when it is
   loaded; our weight is the row-major storage the sync writes in place, read as it is.)
 
@@ -168,8 +170,11 @@ def plan_tiles(m: int, n: int, k: int, sms: int, is_hip: bool = False, x_bytes: 
     want = sms if swap else 2 * sms  # programs: the wide transposed tiles were fastest near one per SM
     if tiles < want:
         # (M = 128 ... 512 without it left most SMs idle: W8A16 on the H200 was 2-3.3x slower than with it);
-        # decode rounds up: 172 column tiles of an 11008-row layer ran 15 % faster split in 2 than unsplit
-        per = -(-want // tiles) if m <= 16 else want // tiles
+        # decode splits in 2 where the rule gives 1: 172 column tiles of an 11008-row layer on 132 SMs ran 15 %
+        # faster split in 2 than unsplit (H200)
+        per = want // tiles
+        if m <= 16 and per == 1:
+            per = 2
         split = max(1, min(8, per, steps // 4))  # at least 4 K steps per program
     k_split = triton.cdiv(steps, split) * bk
     split = triton.cdiv(k, k_split)

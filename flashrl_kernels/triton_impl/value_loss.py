@@ -6,9 +6,9 @@ number of SMs, known on the host without a sync), so a batch of a few long seque
 fills the GPU. Each program writes the per-token gradient coefficient g_tok for its tokens
 and one row of partial statistics (torch_impl/value_loss.py's STAT_NAMES): sums, plus the
 second moments of R and R - v about the program's own mean, accumulated tile by tile with
-Chan et al.'s pairwise update. The finish (`combine_stats` + `finalize`, shared with the torch
-backend) merges the rows in float64 and recounts the non-empty sequences from the per-part
-valid counts, so the kernel needs no atomics and the result is deterministic.
+Chan et al.'s pairwise update. The finish (one program, `loss_finalize.value_finalize`: the same float64
+arithmetic as the torch backend's `combine_stats` + `finalize`) merges the rows and recounts the non-empty
+sequences from the per-part valid counts, so the kernel needs no atomics and the result is deterministic.
 
 seq-mean-token-mean needs the valid count n_i of the whole sequence before the token terms:
 without a mask it is the length; with one, each program first counts its sequence's mask

@@ -372,3 +372,70 @@ def test_no_vllm_probe_off_the_gpu(monkeypatch):
     monkeypatch.delenv("FLASHRL_VLLM_KERNELS")
     monkeypatch.delitem(__import__("sys").modules, "vllm", raising=False)
     assert not q_._vllm_wanted()  # a trainer process that never imported vLLM does not import it for us
+
+
+# ---- the per-call host path on CUDA (selection and plan cached per shape) and the direct callable ----
+
+def test_cuda_choice_is_the_selection_and_plan_cached(monkeypatch):
+    q = ql()
+    calls = []
+
+    def facts(device):
+        calls.append(device)
+        return H100, False, 132
+
+    monkeypatch.setattr(q, "device_facts", facts)
+    monkeypatch.setattr(q, "available_vllm", lambda device: q.VllmScaledMM())
+    import flashrl_kernels.torch_impl.quantize as tq
+
+    monkeypatch.setattr(tq, "cuda_fast_path", lambda index, dtype: True)
+    q.cuda_choice.cache_clear()
+    try:
+        for qdtype, aq, m in ((I8, False, 1), (I8, False, 4096), (I8, True, 256), (FP8, True, 16), (FP8, False, 512)):
+            kernel, cap, hip, sms, plan = q.cuda_choice(0, qdtype, m, 11008, 4096, aq, torch.bfloat16, False)
+            want = q.select_scaled_linear(H100, False, qdtype, m, 11008, 4096, aq, torch.bfloat16, q.VllmScaledMM(),
+                                          aq)
+            assert kernel == want.kernel and (cap, hip, sms) == (H100, False, 132)
+            if kernel == q.TRITON_W8A16:
+                assert plan == q.plan_tiles(m, 11008, 4096, 132, capability=H100, weight_only=True)
+            elif kernel == q.TRITON_W8A8_INT8:
+                assert plan == q.plan_tiles(m, 11008, 4096, 132, int8_dot=True, capability=H100)
+            else:
+                assert plan is None  # library GEMMs (torch._scaled_mm here)
+        n = len(calls)
+        q.cuda_choice(0, I8, 1, 11008, 4096, False, torch.bfloat16, False)
+        assert len(calls) == n  # cached: the same shape does not select again
+    finally:
+        q.cuda_choice.cache_clear()
+
+
+def test_direct_scaled_linear_on_cuda_weights_is_the_triton_path(monkeypatch):
+    import types
+
+    import flashrl_kernels.ops.quantize as oq
+
+    monkeypatch.setattr(oq, "selected_backend", lambda device, op=None: "triton")
+    fake_cuda_weight = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    assert oq.direct_scaled_linear(fake_cuda_weight, True) is oq._triton_direct
+    monkeypatch.setattr(oq, "selected_backend", lambda device, op=None: "torch")
+    assert oq.direct_scaled_linear(fake_cuda_weight, True) is None
+
+
+@pytest.mark.parametrize("aq", [False, True])
+def test_triton_direct_equals_the_op(aq):
+    import flashrl_kernels.ops.quantize as oq
+
+    q, s = _weights(40, 300, I8, seed=5)
+    x = torch.randn(9, 300, device=DEVICE).to(torch.bfloat16)
+    b = torch.randn(40, device=DEVICE).to(torch.bfloat16)
+    with fk.use_backend("triton"):
+        want = torch.ops.flashrl.scaled_linear(x, q, s, b, aq)
+        got = oq._triton_direct(x, q, s, b, aq)
+    assert torch.equal(got, want)
+    # under a dispatch mode (as in torch.compile's tracing) the registered op runs: fake tensors in, fake out
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, fk.use_backend("triton"):
+        fx, fq, fs = mode.from_tensor(x), mode.from_tensor(q), mode.from_tensor(s)
+        y = oq._triton_direct(fx, fq, fs, None, aq)
+    assert tuple(y.shape) == (9, 40) and y.dtype == torch.bfloat16

@@ -17,7 +17,15 @@ import torch
 from torch import Tensor
 
 from .._backend import implementation, selected_backend
-from .._checks import FLOAT_DTYPES, check_same_device, check_tensor, first_true, nonfinite_tensors, value_checks_enabled
+from .._checks import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_tensor,
+    first_true,
+    nonfinite_tensors,
+    tracing,
+    value_checks_enabled,
+)
 from ..reference.quantize import QUANT_DTYPES
 
 
@@ -243,17 +251,34 @@ def quantize_rows_counted_(w2d: Tensor, q2d: Tensor, s1d: Tensor) -> int:
 
 
 def direct_scaled_linear(q: Tensor, activation_quant: bool):
-    """The native C++ op that computes scaled_linear(x, q, ...) for these CPU weights, when the backend choice
-    (use_backend / FLASHRL_BACKEND / automatic) is native and its kernel covers them; else None.
+    """A callable computing scaled_linear(x, q, ...) for these weights without flashrl::scaled_linear's Python
+    dispatch, or None: on a CPU the native C++ op when the backend choice (use_backend / FLASHRL_BACKEND /
+    automatic) is native and its kernel covers them; on a CUDA GPU with the triton backend selected, the Triton
+    path itself (the registered op while torch.compile traces, so a compiled graph holds the op).
 
-    For per-token hot paths such as the vLLM plugin's layers: the returned op takes
-    (x [M, K], q, scale, bias, activation_quant) like flashrl::scaled_linear but skips its Python dispatch.
+    For per-token hot paths such as the vLLM plugin's layers: the returned callable takes
+    (x [M, K], q, scale, bias, activation_quant) like flashrl::scaled_linear.
     """
+    if q.is_cuda:
+        try:
+            triton = selected_backend(q.device, "scaled_linear_forward") == "triton"
+        except Exception:  # no usable backend here: the op raises its own error
+            return None
+        return _triton_direct if triton else None
     if not _native_selected(q):
         return None
     from ..native.quantize import direct_linear
 
     return direct_linear(q, activation_quant)
+
+
+def _triton_direct(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None, activation_quant: bool) -> Tensor:
+    if tracing():
+        return torch.ops.flashrl.scaled_linear(x, q, scale, bias, activation_quant)
+    from ..triton_impl.qlinear import scaled_linear as triton_scaled_linear
+    from ..triton_impl.quantize import quantize_rows
+
+    return triton_scaled_linear(quantize_rows, x, q, scale, bias, activation_quant)
 
 
 def direct_bf16_linear(w: Tensor):

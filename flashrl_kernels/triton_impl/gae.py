@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
+
 WHITEN_EPS = 1e-8
 ALIGN = 16  # tokens: blocks end at multiples of this (vector loads; see _gae_fwd_kernel)
 MAX_BLOCK = 1024  # tests lower it to exercise the carries across blocks under the interpreter
@@ -185,7 +187,7 @@ def merge_moments(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _block(n: int, nseq: int, uniform_len: int) -> tuple[int, int]:
     """Block size from the (typical) sequence length, known on the host without a sync; and num_warps."""
     typical = uniform_len if uniform_len > 0 else max(1, n // max(nseq, 1))
-    block = min(MAX_BLOCK, max(16, triton.next_power_of_2(typical)))
+    block = min(MAX_BLOCK, max(16, next_power_of_2(typical)))
     return block, 8 if block >= 1024 else 4
 
 
@@ -213,6 +215,6 @@ def gae_forward(rewards, values, mask, cu_seqlens, lam, critic_lam, gamma, white
         return adv, ret, torch.zeros(0, dtype=f32, device=dev)
     moments, stats = merge_moments(seq_stats)
     wblock = 1024
-    _whiten_kernel[(triton.cdiv(n, wblock),)](adv, mask_arg, moments, n, HAS_MASK=mask is not None,
+    _whiten_kernel[(cdiv(n, wblock),)](adv, mask_arg, moments, n, HAS_MASK=mask is not None,
                                                BLOCK=wblock, num_warps=4)
     return adv, ret, stats

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .._checks import rows_as_3d
+from ._host import next_power_of_2
 
 ALIGN = 16  # elements: a row's loop starts at a multiple of this (>= 16 bytes in every dtype)
 
@@ -165,7 +166,7 @@ def _token_logprobs_bwd_kernel(
 
 
 def block_v(v: int) -> int:
-    return min(triton.next_power_of_2(v), 4096)
+    return min(next_power_of_2(v), 4096)
 
 
 def same_phase(row_starts_a: list[tuple[int, int]], row_starts_b: list[tuple[int, int]]) -> bool:

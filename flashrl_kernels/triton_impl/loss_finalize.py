@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..torch_impl import policy_loss as _policy
 from ..torch_impl import value_loss as _value
+from ._host import next_power_of_2
 
 _AGG = {"token-mean": 0, "token-sum": 1}  # anything else divides by the non-empty sequences
 N_VALUE_METRICS = 6  # len(ops.value_loss.VALUE_METRIC_NAMES), in the order the kernel stores them
@@ -105,7 +106,7 @@ def policy_finalize(rows: torch.Tensor, normalizer, divisor: float, agg: str):
     _policy_finalize_kernel[(1,)](
         rows, rows.shape[0], norm, idx, loss, metrics, scale, *_split_float(divisor, torch.float32),
         HAS_NORM=normalizer is not None, AGG=_AGG.get(agg, 2), NSTATS=_policy.N_STATS, NMET=nmet,
-        COLS=triton.next_power_of_2(_policy.N_STATS + 3), MET=triton.next_power_of_2(nmet), BLOCK=64, num_warps=4,
+        COLS=next_power_of_2(_policy.N_STATS + 3), MET=next_power_of_2(nmet), BLOCK=64, num_warps=4,
     )
     return loss, metrics, scale
 
@@ -181,7 +182,7 @@ def value_finalize(rows: torch.Tensor, group: int, normalizer, divisor: float, a
     _value_finalize_kernel[(1,)](
         rows, rows.shape[0], group, norm, loss, metrics, scale, *_split_float(divisor, torch.float64),
         HAS_NORM=normalizer is not None, AGG=_AGG.get(agg, 2), NSTATS=_value.N_STATS,
-        COLS=triton.next_power_of_2(_value.N_STATS), GROUP_P2=triton.next_power_of_2(max(group, 1)), BLOCK=64,
+        COLS=next_power_of_2(_value.N_STATS), GROUP_P2=next_power_of_2(max(group, 1)), BLOCK=64,
         num_warps=4,
     )
     return loss, metrics, scale

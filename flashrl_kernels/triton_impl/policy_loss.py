@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..torch_impl.policy_loss import N_STATS, combine_stats, finish
+from ._host import next_power_of_2
 from .loss_finalize import policy_finalize
 
 _LEVELS = {"token": 0, "sequence": 1, "sequence_token": 2}
@@ -338,7 +339,7 @@ def _policy_loss_bwd_kernel(
 def _block(n: int, nseq: int, uniform_len: int) -> tuple[int, int]:
     """Tile size from the (typical) sequence length, known on the host without a sync; and num_warps."""
     typical = uniform_len if uniform_len > 0 else max(1, n // max(nseq, 1))
-    block = min(1024, max(256, triton.next_power_of_2(typical)))
+    block = min(1024, max(256, next_power_of_2(typical)))
     # 2 tokens per thread up to 512 (the forward keeps ~20 live values per token; the former 512 / 4 warps and
     # 2048 / 8 warps spilled on sm_80 / sm_90), 4 at 1024 / 8 warps: 16 warps spilled 8 bytes on sm_80 at 40
     # registers, 8 warps use up to 128 with none (docs/gpu.md)

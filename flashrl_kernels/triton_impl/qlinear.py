@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, sm_count
+
 FP8 = torch.float8_e4m3fn
 SMALL_M = 64  # rows up to which the Triton W8A8 INT8 kernel beats padding M for torch._int_mm (memory bound)
 
@@ -164,9 +166,9 @@ def plan_tiles(m: int, n: int, k: int, sms: int, is_hip: bool = False, x_bytes: 
         # than the best plain tile at M = 256 ... 4096, slower below (bench/gpu_sweep_qlinear.py, 2026-12-04)
         swap = True
         bm, bn, bk, warps, stages = 256, 128, 64, 8, 3
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     split = 1
-    steps = triton.cdiv(k, bk)
+    steps = cdiv(k, bk)
     want = sms if swap else 2 * sms  # programs: the wide transposed tiles were fastest near one per SM
     if tiles < want:
         # (M = 128 ... 512 without it left most SMs idle: W8A16 on the H200 was 2-3.3x slower than with it);
@@ -176,8 +178,8 @@ def plan_tiles(m: int, n: int, k: int, sms: int, is_hip: bool = False, x_bytes: 
         if m <= 16 and per == 1:
             per = 2
         split = max(1, min(8, per, steps // 4))  # at least 4 K steps per program
-    k_split = triton.cdiv(steps, split) * bk
-    split = triton.cdiv(k, k_split)
+    k_split = cdiv(steps, split) * bk
+    split = cdiv(k, k_split)
     return TilePlan(bm, bn, bk, split, k_split, warps, stages, swap)
 
 
@@ -368,7 +370,7 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 def _epilogue(part, xs, scale, bias, y, split, x_codes):
     m, n = y.shape
     bm, bn = 32, 128
-    _w8_epilogue_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+    _w8_epilogue_kernel[(cdiv(m, bm), cdiv(n, bn))](
         part, xs if xs is not None else scale, scale, bias if bias is not None else scale, y, m, n,
         part.stride(-2), y.stride(0), split,
         X_CODES=x_codes, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
@@ -401,7 +403,7 @@ def w8_linear(x, xs, q, scale, bias, out_dtype, x_codes: int, w_decode: int, pla
     split = plan.split_k > 1
     part = torch.empty((plan.split_k, m, n), dtype=torch.int32 if x_codes == 1 else torch.float32,
                        device=x.device) if split else y
-    grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.split_k)
+    grid = (cdiv(m, plan.block_m), cdiv(n, plan.block_n), plan.split_k)
     _w8_linear_kernel[grid](
         xa, xs if xs is not None else scale, codes, scale, bias if bias is not None else scale, y, part,
         m, n, k, xa.stride(0), codes.stride(0), y.stride(0), plan.k_split,
@@ -492,48 +494,72 @@ def available_vllm(device: torch.device) -> VllmScaledMM:
 INTERPRETER_CAPABILITY = (8, 0)  # the GPU the interpreter stands in for (tests may change it)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def device_facts(device: torch.device) -> tuple[tuple[int, int] | None, bool, int]:
     """(capability, is_hip, SM count); on the CPU (Triton's interpreter) an A100 stands in, with few SMs."""
     if device.type != "cuda":
         return INTERPRETER_CAPABILITY, False, 4
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.version.hip is not None:
-        return None, True, _sm_count(index)
-    return torch.cuda.get_device_capability(index), False, _sm_count(index)
+        return None, True, sm_count(index)
+    return torch.cuda.get_device_capability(index), False, sm_count(index)
 
 
 def scaled_linear(quantize, x2d, q, scale, bias, activation_quant):
     """The quantized linear on a GPU (or in the interpreter); `quantize(x, dtype) -> (codes, scales)` is the
     activation quantizer (our Triton quantize_rows: the spec's rounding)."""
-    from ..torch_impl.quantize import cuda_fast_path
-
     m, k = x2d.shape
     n = q.shape[0]
-    cap, is_hip, sms = device_facts(x2d.device)
-    vllm = available_vllm(x2d.device)
-    torch_ok = False
-    if activation_quant and x2d.device.type == "cuda" and n % 16 == 0 and k % 16 == 0:
-        torch_ok = cuda_fast_path(x2d.device.index or 0, q.dtype)
-    choice = select_scaled_linear(cap, is_hip, q.dtype, m, n, k, activation_quant, x2d.dtype, vllm, torch_ok)
+    dev = x2d.device
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        kernel, cap, is_hip, sms, plan = cuda_choice(index, q.dtype, m, n, k, bool(activation_quant), x2d.dtype,
+                                                     _vllm_wanted())
+        return run_choice(kernel, quantize, x2d, q, scale, bias, cap, is_hip, sms, plan)
+    cap, is_hip, sms = device_facts(dev)  # the interpreter: not cached (tests change INTERPRETER_CAPABILITY)
+    choice = select_scaled_linear(cap, is_hip, q.dtype, m, n, k, activation_quant, x2d.dtype, VllmScaledMM(), False)
     return run_choice(choice.kernel, quantize, x2d, q, scale, bias, cap, is_hip, sms)
 
 
-def run_choice(kernel: str, quantize, x2d, q, scale, bias, cap, is_hip, sms):
+@functools.lru_cache(maxsize=4096)
+def cuda_choice(index: int, qdtype: torch.dtype, m: int, n: int, k: int, activation_quant: bool,
+                x_dtype: torch.dtype, vllm_wanted: bool):
+    """(kernel, capability, is_hip, SM count, tile plan or None) for one call shape on CUDA device `index`: what
+    select_scaled_linear and plan_tiles pick, computed once per shape (a vLLM engine calls every layer with the
+    same few shapes; recomputing it cost ~20-40 us of host time per call)."""
+    from ..torch_impl.quantize import cuda_fast_path
+
+    dev = torch.device("cuda", index)
+    cap, is_hip, sms = device_facts(dev)
+    vllm = available_vllm(dev) if vllm_wanted else VllmScaledMM()
+    torch_ok = activation_quant and n % 16 == 0 and k % 16 == 0 and cuda_fast_path(index, qdtype)
+    kernel = select_scaled_linear(cap, is_hip, qdtype, m, n, k, activation_quant, x_dtype, vllm, torch_ok).kernel
+    return kernel, cap, is_hip, sms, _plan_for(kernel, m, n, k, sms, is_hip, cap, x_dtype.itemsize)
+
+
+def _plan_for(kernel: str, m: int, n: int, k: int, sms: int, is_hip: bool, cap, x_bytes: int) -> TilePlan | None:
+    """The Triton kernels' tile plan for `kernel` (None for the library GEMMs)."""
+    if kernel == TRITON_W8A16:
+        return plan_tiles(m, n, k, sms, is_hip, x_bytes, capability=cap, weight_only=True)
+    if kernel == TRITON_W8A8_INT8:
+        return plan_tiles(m, n, k, sms, is_hip, int8_dot=True, capability=cap)
+    if kernel == TRITON_W8A8_FP8_WIDEN:
+        return plan_tiles(m, n, k, sms, is_hip)
+    return None
+
+
+def run_choice(kernel: str, quantize, x2d, q, scale, bias, cap, is_hip, sms, plan: TilePlan | None = None):
+    """Run `kernel` (a name select_scaled_linear returns); `plan`: its tile plan when already known."""
     m, k = x2d.shape
     n = q.shape[0]
     out_dtype = x2d.dtype
     x = x2d if x2d.stride(-1) == 1 or k <= 1 else x2d.contiguous()
     if q.stride(-1) != 1 and k > 1:
         q = q.contiguous()
+    if plan is None:
+        plan = _plan_for(kernel, m, n, k, sms, is_hip, cap, x.element_size())
     decode = fp8_decode_mode(cap, is_hip)
     if kernel == TRITON_W8A16:
-        return w8_linear(x, None, q, scale, bias, out_dtype, 0, 0 if q.dtype == torch.int8 else decode,
-                         plan_tiles(m, n, k, sms, is_hip, x.element_size(), capability=cap, weight_only=True))
+        return w8_linear(x, None, q, scale, bias, out_dtype, 0, 0 if q.dtype == torch.int8 else decode, plan)
     xq, xs = quantize(x, q.dtype)
     if kernel == VLLM_CUTLASS:
         return vllm_scaled_mm(_vllm_ops(), xq, xs, q, scale, bias, out_dtype)
@@ -543,10 +569,9 @@ def run_choice(kernel: str, quantize, x2d, q, scale, bias, cap, is_hip, sms):
     if kernel == TORCH_INT_MM:
         return int_mm_scaled(xq, xs, q, scale, bias, out_dtype)
     if kernel == TRITON_W8A8_INT8:
-        return w8_linear(xq, xs, q, scale, bias, out_dtype, 1, 0,
-                         plan_tiles(m, n, k, sms, is_hip, int8_dot=True, capability=cap))
+        return w8_linear(xq, xs, q, scale, bias, out_dtype, 1, 0, plan)
     if kernel == TRITON_W8A8_FP8_WIDEN:
-        return w8_linear(xq, xs, q, scale, bias, out_dtype, 2, decode, plan_tiles(m, n, k, sms, is_hip))
+        return w8_linear(xq, xs, q, scale, bias, out_dtype, 2, decode, plan)
     raise ValueError(f"unknown scaled-linear kernel {kernel!r}")
 
 

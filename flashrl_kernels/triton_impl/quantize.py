@@ -32,6 +32,7 @@ import triton.language as tl
 from ..reference.quantize import QMAX, ZERO_ROW_AMAX
 from ..torch_impl.quantize import dequantize_rows_forward as _torch_dequantize
 from . import qlinear
+from ._host import next_power_of_2
 
 _MAX_ONE_TILE = 16384
 _LOOP_BLOCK = 4096
@@ -126,7 +127,7 @@ def _launch(w2d, q_out, scale_out):
     if n == 0:
         return
     one_tile = k <= _MAX_ONE_TILE
-    block = triton.next_power_of_2(k) if one_tile else _LOOP_BLOCK
+    block = next_power_of_2(k) if one_tile else _LOOP_BLOCK
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     is_fp8 = q_out.dtype == torch.float8_e4m3fn
     codes = q_out.view(torch.uint8) if is_fp8 else q_out  # fp8: bytes assembled in the kernel (see above)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..torch_impl.value_loss import N_STATS
+from ._host import cdiv, next_power_of_2, sm_count
 from .loss_finalize import value_finalize
 from .policy_loss import ALIGN, _ld, _st, _valid
 
@@ -170,15 +171,15 @@ def _value_loss_bwd_kernel(G_TOK, GRAD_LOSS, SCALE, OUT, N, BF16: tl.constexpr, 
 def _launch_config(n: int, nseq: int, uniform_len: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK, SPLIT, num_warps) from the typical sequence length, known on the host without a sync."""
     typical = uniform_len if uniform_len > 0 else max(1, n // max(nseq, 1))
-    block = min(1024, max(128, triton.next_power_of_2(typical)))
+    block = min(1024, max(128, next_power_of_2(typical)))
     if device.type == "cuda":
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 4 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:  # the interpreter: few, large programs
         target = 1
-    tiles = triton.cdiv(typical, block)
-    want = triton.cdiv(target, max(nseq, 1))  # parts per sequence to reach `target` programs
+    tiles = cdiv(typical, block)
+    want = cdiv(target, max(nseq, 1))  # parts per sequence to reach `target` programs
     tiles_per_part = max(1, tiles // want)
-    split = triton.cdiv(tiles, tiles_per_part)
+    split = cdiv(tiles, tiles_per_part)
     return block, split, 4
 
 
@@ -212,7 +213,7 @@ def value_loss_backward(grad_loss, g_tok, scale, dtype):
     if n == 0:
         return out
     block = 2048
-    _value_loss_bwd_kernel[(triton.cdiv(n, block),)](
+    _value_loss_bwd_kernel[(cdiv(n, block),)](
         g_tok, grad_loss.reshape(()).float(), scale, out, n, BF16=dtype == torch.bfloat16, BLOCK=block, num_warps=4,
     )
     return out

@@ -1,0 +1,25 @@
+"""Integer helpers for the launch wrappers' host code.
+
+`triton.cdiv` / `triton.next_power_of_2` are constexpr functions in Triton 3.9: ~3 us per call from Python, and
+a quantized linear's launch made about ten such calls (a vLLM decode step in eager mode calls it ~200 times).
+These plain versions return the same values (next_power_of_2(0) is 0, as Triton's). `sm_count` caches the
+SM count (torch.cuda.get_device_properties is a Python call too).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

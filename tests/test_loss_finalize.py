@@ -48,6 +48,17 @@ def test_policy_finalize_equals_the_torch_path(agg, norm, r):
     torch.testing.assert_close(metrics, ref_metrics, rtol=1e-6, atol=0)
 
 
+def test_policy_finalize_propagates_nan_like_torch():
+    rows = _policy_rows(20, seed=3)
+    rows[5, 7] = float("nan")  # max_r of one program
+    rows[6, 2] = float("nan")  # the loss sum
+    loss, metrics, _ = lf().policy_finalize(rows, None, 0.0, "token-mean")
+    ref_loss, ref_metrics, _ = tp._finalize_tensors(tp.combine_stats(rows), None, 0.0, "token-mean", None, 0.0)
+    assert torch.isnan(loss) and torch.isnan(ref_loss)
+    assert torch.equal(torch.isnan(metrics), torch.isnan(ref_metrics))
+    assert bool(torch.isnan(metrics).any())
+
+
 def _value_rows(nseq, group, seed):
     g = torch.Generator().manual_seed(seed)
     r = nseq * group

@@ -66,6 +66,7 @@ def _policy_finalize_kernel(
     s = tl.zeros((COLS,), dtype=tl.float32)
     mx = tl.full((COLS,), float("-inf"), dtype=tl.float32)
     mn = tl.full((COLS,), float("inf"), dtype=tl.float32)
+    nans = tl.zeros((COLS,), dtype=tl.int32)
     for r0 in range(0, R, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         ok = (r < R)[:, None] & in_cols[None, :]
@@ -73,7 +74,10 @@ def _policy_finalize_kernel(
         s += tl.sum(x, axis=0)
         mx = tl.maximum(mx, tl.max(tl.where(ok, x, float("-inf")), axis=0))
         mn = tl.minimum(mn, tl.min(tl.where(ok, x, float("inf")), axis=0))
+        nans += tl.sum((ok & (x != x)).to(tl.int32), axis=0)
+    # a NaN row makes the max / min NaN, as torch's amax / amin (the GPU's max instruction would skip it)
     st = tl.where(is_max, mx, tl.where(is_min, mn, s))
+    st = tl.where((is_max | is_min) & (nans > 0), float("nan"), st)
     n_tok = _pick(st, cols, 0)
     d = _divisor(NORM, n_tok, _pick(st, cols, 1), DIV_HI, DIV_LO, HAS_NORM, AGG)
     scale = 1.0 / d

@@ -74,7 +74,7 @@ def _policy_finalize_kernel(
         s += tl.sum(x, axis=0)
         mx = tl.maximum(mx, tl.max(tl.where(ok, x, float("-inf")), axis=0))
         mn = tl.minimum(mn, tl.min(tl.where(ok, x, float("inf")), axis=0))
-        nans += tl.sum((ok & (x != x)).to(tl.int32), axis=0)
+        nans += tl.sum((ok & (x != x)).to(tl.int32), axis=0)  # noqa: PLR0124 (x != x: NaN)
     # a NaN row makes the max / min NaN, as torch's amax / amin (the GPU's max instruction would skip it)
     st = tl.where(is_max, mx, tl.where(is_min, mn, s))
     st = tl.where((is_max | is_min) & (nans > 0), float("nan"), st)
@@ -97,16 +97,20 @@ def _policy_finalize_kernel(
     tl.store(METRICS + m, metrics, mask=m_ok)
 
 
-def policy_finalize(rows: torch.Tensor, normalizer, divisor: float, agg: str):
-    """(loss, metrics, scale) of policy_loss from its statistics rows [R, N_STATS] (fp32), one launch; the same
-    as torch_impl.policy_loss.finalize(combine_stats(rows), ...) without the NLL term."""
-    dev = rows.device
-    idx, _ = _policy._finalize_index(dev)
-    nmet = len(_policy.METRIC_NAMES)
+def _outputs(dev, nmet: int, normalizer):
+    """(loss, metrics, scale) fp32 outputs, and the normalizer argument (the loss as a dummy pointer without one)."""
     loss = torch.empty((), dtype=torch.float32, device=dev)
     metrics = torch.empty(nmet, dtype=torch.float32, device=dev)
     scale = torch.empty((), dtype=torch.float32, device=dev)
-    norm = normalizer.reshape(()) if normalizer is not None else loss
+    return loss, metrics, scale, (normalizer.reshape(()) if normalizer is not None else loss)
+
+
+def policy_finalize(rows: torch.Tensor, normalizer, divisor: float, agg: str):
+    """(loss, metrics, scale) of policy_loss from its statistics rows [R, N_STATS] (fp32), one launch; the same
+    as torch_impl.policy_loss.finalize(combine_stats(rows), ...) without the NLL term."""
+    idx, _ = _policy._finalize_index(rows.device)
+    nmet = len(_policy.METRIC_NAMES)
+    loss, metrics, scale, norm = _outputs(rows.device, nmet, normalizer)
     _policy_finalize_kernel[(1,)](
         rows, rows.shape[0], norm, idx, loss, metrics, scale, *_split_float(divisor, torch.float32),
         HAS_NORM=normalizer is not None, AGG=_AGG.get(agg, 2), NSTATS=_policy.N_STATS, NMET=nmet,
@@ -178,11 +182,7 @@ def _value_finalize_kernel(
 def value_finalize(rows: torch.Tensor, group: int, normalizer, divisor: float, agg: str):
     """(loss, metrics, scale) of value_loss from its statistics rows [S * group, N_STATS] (fp32), one launch; the
     same as torch_impl.value_loss.finalize(combine_stats(rows, group), ...)."""
-    dev = rows.device
-    loss = torch.empty((), dtype=torch.float32, device=dev)
-    metrics = torch.empty(N_VALUE_METRICS, dtype=torch.float32, device=dev)
-    scale = torch.empty((), dtype=torch.float32, device=dev)
-    norm = normalizer.reshape(()) if normalizer is not None else loss
+    loss, metrics, scale, norm = _outputs(rows.device, N_VALUE_METRICS, normalizer)
     _value_finalize_kernel[(1,)](
         rows, rows.shape[0], group, norm, loss, metrics, scale, *_split_float(divisor, torch.float64),
         HAS_NORM=normalizer is not None, AGG=_AGG.get(agg, 2), NSTATS=_value.N_STATS,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._backend import implementation, selected_backend
+from .._backend import BackendUnavailableError, implementation, selected_backend
 from .._checks import (
     FLOAT_DTYPES,
     check_same_device,
@@ -262,7 +262,7 @@ def direct_scaled_linear(q: Tensor, activation_quant: bool):
     if q.is_cuda:
         try:
             triton = selected_backend(q.device, "scaled_linear_forward") == "triton"
-        except Exception:  # no usable backend here: the op raises its own error
+        except BackendUnavailableError:  # the op raises its own error at the call
             return None
         return _triton_direct if triton else None
     if not _native_selected(q):

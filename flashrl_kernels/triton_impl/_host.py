@@ -20,6 +20,11 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device (the current one for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

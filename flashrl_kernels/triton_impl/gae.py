@@ -216,5 +216,5 @@ def gae_forward(rewards, values, mask, cu_seqlens, lam, critic_lam, gamma, white
     moments, stats = merge_moments(seq_stats)
     wblock = 1024
     _whiten_kernel[(cdiv(n, wblock),)](adv, mask_arg, moments, n, HAS_MASK=mask is not None,
-                                               BLOCK=wblock, num_warps=4)
+                                       BLOCK=wblock, num_warps=4)
     return adv, ret, stats

@@ -35,7 +35,7 @@ def _divisor(NORM, n_tok, n_seq, DIV_HI, DIV_LO, HAS_NORM: tl.constexpr, AGG: tl
     elif AGG == 0:
         d = tl.maximum(n_tok, 1.0)
     elif AGG == 1:
-        d = (n_tok * 0.0 + 1.0).to(n_tok.dtype)
+        d = n_tok * 0.0 + 1.0
     else:
         d = tl.maximum(n_seq, 1.0)
     return d

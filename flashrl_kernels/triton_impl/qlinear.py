@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, sm_count
+from ._host import cdiv, cuda_index, sm_count
 
 FP8 = torch.float8_e4m3fn
 SMALL_M = 64  # rows up to which the Triton W8A8 INT8 kernel beats padding M for torch._int_mm (memory bound)
@@ -488,7 +488,7 @@ def _vllm_probe(device_index: int) -> VllmScaledMM:
 def available_vllm(device: torch.device) -> VllmScaledMM:
     if device.type != "cuda" or not _vllm_wanted():
         return VllmScaledMM()
-    return _vllm_probe(device.index if device.index is not None else torch.cuda.current_device())
+    return _vllm_probe(cuda_index(device))
 
 
 INTERPRETER_CAPABILITY = (8, 0)  # the GPU the interpreter stands in for (tests may change it)
@@ -498,7 +498,7 @@ def device_facts(device: torch.device) -> tuple[tuple[int, int] | None, bool, in
     """(capability, is_hip, SM count); on the CPU (Triton's interpreter) an A100 stands in, with few SMs."""
     if device.type != "cuda":
         return INTERPRETER_CAPABILITY, False, 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     if torch.version.hip is not None:
         return None, True, sm_count(index)
     return torch.cuda.get_device_capability(index), False, sm_count(index)
@@ -511,7 +511,7 @@ def scaled_linear(quantize, x2d, q, scale, bias, activation_quant):
     n = q.shape[0]
     dev = x2d.device
     if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        index = cuda_index(dev)
         kernel, cap, is_hip, sms, plan = cuda_choice(index, q.dtype, m, n, k, bool(activation_quant), x2d.dtype,
                                                      _vllm_wanted())
         return run_choice(kernel, quantize, x2d, q, scale, bias, cap, is_hip, sms, plan)

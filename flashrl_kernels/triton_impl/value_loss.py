@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..torch_impl.value_loss import N_STATS
-from ._host import cdiv, next_power_of_2, sm_count
+from ._host import cdiv, cuda_index, next_power_of_2, sm_count
 from .loss_finalize import value_finalize
 from .policy_loss import ALIGN, _ld, _st, _valid
 
@@ -173,7 +173,7 @@ def _launch_config(n: int, nseq: int, uniform_len: int, device: torch.device) ->
     typical = uniform_len if uniform_len > 0 else max(1, n // max(nseq, 1))
     block = min(1024, max(128, next_power_of_2(typical)))
     if device.type == "cuda":
-        target = 4 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        target = 4 * sm_count(cuda_index(device))
     else:  # the interpreter: few, large programs
         target = 1
     tiles = cdiv(typical, block)

@@ -37,17 +37,13 @@ def run(report):
         err_a = float((adv - e_adv)[m].abs().max())
         err_r = float((ret - e_ret)[m].abs().max())
         zeros = bool((adv[~m] == 0).all() and (ret[~m] == 0).all())
-        report.check(sec, f"{name}: advantages err <= 1e-5 * max|A|", err_a <= 1e-5 * scale,
-                     f"{err_a:.2e} (max|A| {scale:.2e})")
-        # returns sum ~1/(1 - gamma * critic_lam) = 1000 fp32 terms here: the bar is the plain fp32 scan's own
-        # error (the torch backend on the CPU, same inputs), not a fixed 1e-5
-        with fk.use_backend("torch"):
-            cpu = fk.gae(rewards.cpu(), values.cpu(), mask=m, **kw)
-        err_r32 = float((cpu.returns.double() - e_ret)[m].abs().max())
         r_max = float(e_ret[m].abs().max())
-        tol_r = max(2 * err_r32, 1e-5 * max(1.0, r_max))
-        report.check(sec, f"{name}: returns err <= max(2 x fp32 scan's on the CPU, 1e-5 * max(1, max|R|))",
-                     err_r <= tol_r, f"{err_r:.2e} (fp32 scan {err_r32:.2e}, max|R| {r_max:.2e})")
+        # float64 scans with unrounded gamma / lambdas: within fp32 rounding of the outputs (~6e-8 relative);
+        # until 2026-12-04 the fp32 scans were 1e-5-level off at this 1000-token horizon (1.27e-4 on the H200)
+        report.check(sec, f"{name}: advantages err <= 1e-6 * max|A|", err_a <= 1e-6 * scale,
+                     f"{err_a:.2e} (max|A| {scale:.2e})")
+        report.check(sec, f"{name}: returns err <= 1e-6 * max|R|", err_r <= 1e-6 * r_max,
+                     f"{err_r:.2e} (max|R| {r_max:.2e})")
         report.check(sec, f"{name}: masked positions 0", zeros, str(zeros))
         del out, e_adv, e_ret
 

@@ -354,20 +354,24 @@ def _gae_specs(quick: bool) -> list[Spec]:
     from .triton_impl import gae as m
 
     out = []
-    for length in (64, 2048) if not quick else (2048,):
-        for has_mask, two, whiten in ((True, True, True), (False, False, False), (True, False, True)):
-            tag = f"len={length} mask={has_mask} critic_lam={'own' if two else 'lam'} whiten={whiten}"
+    # float64 scans on the data-centre targets, fp32 on sm_86 (1/64-rate float64; triton_impl/gae.accumulate_fp64)
+    for fp64, archs in ((True, ("80", "90", "100", "gfx942")), (False, ("86",))):
+        for length in (64, 2048) if not quick else (2048,):
+            for has_mask, two, whiten in ((True, True, True), (False, False, False), (True, False, True)):
+                tag = (f"len={length} mask={has_mask} critic_lam={'own' if two else 'lam'} whiten={whiten} "
+                       f"{'float64' if fp64 else 'fp32'} scans")
 
-            def fwd(length=length, has_mask=has_mask, two=two, whiten=whiten):
-                nseq = 2
-                n = nseq * length
-                r = torch.zeros(n)
-                lam = torch.ones(nseq)
-                return capture(m, "_gae_fwd_kernel", lambda: m.gae_forward(
-                    r, r, torch.ones(n, dtype=torch.bool) if has_mask else None, _cu(nseq, length), lam,
-                    torch.ones(nseq) if two else lam, 1.0, whiten, length))
+                def fwd(length=length, has_mask=has_mask, two=two, whiten=whiten, fp64=fp64):
+                    nseq = 2
+                    n = nseq * length
+                    r = torch.zeros(n)
+                    lam = torch.ones(nseq, dtype=torch.float64)
+                    with _patched(m, "accumulate_fp64", lambda device: fp64):
+                        return capture(m, "_gae_fwd_kernel", lambda: m.gae_forward(
+                            r, r, torch.ones(n, dtype=torch.bool) if has_mask else None, _cu(nseq, length), lam,
+                            torch.ones(nseq, dtype=torch.float64) if two else lam, 1.0, whiten, length))
 
-            out.append(Spec("gae_fwd", tag, False, fwd))
+                out.append(Spec("gae_fwd", tag, False, fwd, archs))
     for has_mask in (True, False):
         def whiten(has_mask=has_mask):
             from .triton_impl import gae as g
@@ -377,7 +381,7 @@ def _gae_specs(quick: bool) -> list[Spec]:
                 try:
                     n = 4098  # N not a multiple of 16: only the last block needs a mask
                     r = torch.zeros(n)
-                    lam = torch.ones(2)
+                    lam = torch.ones(2, dtype=torch.float64)
                     seq = torch.zeros(2, 3)
                     with _patched(g, "merge_moments", lambda s: (torch.zeros(2), seq)):
                         g.gae_forward(r, r, torch.ones(n, dtype=torch.bool) if has_mask else None, _cu(2, n // 2),

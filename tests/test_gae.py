@@ -232,6 +232,58 @@ def test_long_sequence_accuracy(backend):
     assert float((out.returns.double() - e_ret).abs().max()) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gamma, lam, critic_lam", [(0.999, 0.95, 1.0), (1.0, 0.999, 0.9993)])
+def test_long_horizon_uses_unrounded_gamma_and_lambda(backend, gamma, lam, critic_lam):
+    """gamma * lam = 0.999 is 1.3e-8 off in fp32, and a^k over a ~1000-token horizon turned that into ~1e-5 of
+    the returns (relative; 1.27e-4 on the H200 at T = 8192): every backend must stay within fp32 rounding of the
+    outputs (~6e-8 relative)."""
+    t = 3000 if backend == "triton" and DEVICE == "cpu" else 8192
+    g = torch.Generator().manual_seed(11)
+    r, v = torch.randn(2, t, generator=g) + 0.3, torch.randn(2, t, generator=g) * 2
+    mask = torch.rand(2, t, generator=g) > 0.05
+    r, v, mask = r.to(DEVICE), v.to(DEVICE), mask.to(DEVICE)
+    out = run(backend, r, v, mask=mask, gamma=gamma, lam=lam, critic_lam=critic_lam)
+    e_adv, e_ret = gae_spec(r.cpu(), v.cpu(), mask=mask.cpu(), gamma=gamma, lam=lam, critic_lam=critic_lam)
+    m = mask.cpu()
+    for got, exp in ((out.advantages, e_adv), (out.returns, e_ret)):
+        err = float((got.cpu().double() - exp)[m].abs().max())
+        assert err <= 2e-7 * float(exp[m].abs().max()), err
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's block size is lowered")
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton unavailable")
+def test_triton_fp32_scans_for_gpus_with_slow_float64(monkeypatch):
+    """The FP64=False specialization (consumer GPUs): fp32 scans, carries across blocks, whitening."""
+    from flashrl_kernels.triton_impl import gae as tg
+
+    monkeypatch.setattr(tg, "MAX_BLOCK", 16)
+    monkeypatch.setattr(tg, "accumulate_fp64", lambda device: False)
+    r, v, mask, _, _ = padded_inputs(3, 53)
+    out = run("triton", r, v, mask=mask, gamma=0.99, lam=0.95, critic_lam=0.9, whiten=True)
+    e_adv, e_ret = gae_spec(r, v, mask=mask, gamma=0.99, lam=0.95, critic_lam=0.9, whiten=True)
+    assert_valid_close(out.advantages, e_adv, mask, atol=2e-5)
+    assert_valid_close(out.returns, e_ret, mask)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton unavailable")
+def test_triton_float64_scans_by_gpu(monkeypatch):
+    """float64 scans on data-centre GPUs (fast float64), fp32 on consumer ones; always under the interpreter."""
+    from types import SimpleNamespace
+
+    from flashrl_kernels.triton_impl import gae as tg
+
+    assert tg.accumulate_fp64(torch.device("cpu"))
+    for arch, hip, want in (((9, 0), None, True), ((8, 0), None, True), ((8, 6), None, False),
+                            ((8, 9), None, False), ((12, 0), None, False), ((9, 4), "6.4", True),
+                            ((11, 0), "6.4", False)):
+        props = SimpleNamespace(major=arch[0], minor=arch[1],
+                                gcnArchName="gfx942:sramecc+:xnack-" if arch == (9, 4) else "gfx1100")
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=props: p)
+        monkeypatch.setattr(torch.version, "hip", hip)
+        assert tg._fast_fp64.__wrapped__(0) is want, (arch, hip)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's block size is lowered")
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton unavailable")
 def test_triton_carries_across_blocks(monkeypatch):
@@ -260,10 +312,10 @@ def test_all_empty_and_no_gradient(backend):
 def test_opcheck(backend):
     n = 12
     args = (torch.randn(n), torch.randn(n).bfloat16(), torch.rand(n) > 0.3, torch.tensor([0, 5, 5, 12]),
-            torch.rand(3), torch.rand(3), 0.99, True, 0)
+            torch.rand(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64), 0.99, True, 0)
     with fk.use_backend(backend):
         torch.library.opcheck(torch.ops.flashrl.gae.default, args)
-        lam = torch.rand(2)  # padded form, critic_lam is lam
+        lam = torch.rand(2, dtype=torch.float64)  # padded form, critic_lam is lam
         torch.library.opcheck(torch.ops.flashrl.gae.default,
                               (torch.randn(2 * 6), torch.randn(2 * 6), None, torch.tensor([0, 6, 12]), lam, lam,
                                1.0, False, 6))

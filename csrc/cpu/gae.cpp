@@ -2,7 +2,7 @@
 //
 // Semantics are those of flashrl_kernels/reference/gae.py (the spec), in the canonical form of
 // flashrl_kernels/ops/gae.py: flat rewards [N] and values [N] (fp32 / bf16 / fp16, each in its own
-// dtype), an optional bool mask [N], int64 cu_seqlens [S+1], fp32 lam [S] and critic_lam [S].
+// dtype), an optional bool mask [N], int64 cu_seqlens [S+1], float64 lam [S] and critic_lam [S].
 //
 // One backward pass per sequence carries the next valid value, the advantage recurrence
 // (lam) and the returns recurrence (critic_lam) in the same loop:
@@ -15,7 +15,8 @@
 // wrapper passes it when critic_lam is None) the second recurrence is skipped: R = A.
 // Accumulation in double (inputs are read as fp32 values, outputs rounded to fp32 once): at T = 32768,
 // gamma = lam = 1 the fp32 loop was 2.2e-6 of max |A| off the float64 spec (verl's own fp32 loop: the same),
-// double carries cost nothing measurable. Sequences are grouped into blocks of about kGaeBlockTokens tokens,
+// double carries cost nothing measurable. gamma and the lambdas stay double too: an fp32 gamma = 0.999 is
+// 1.3e-8 off, which a^k over a 1000-token horizon turns into ~1e-5 of the returns (measured). Sequences are grouped into blocks of about kGaeBlockTokens tokens,
 // spread over threads with at::parallel_for (the grouping depends only on cu_seqlens: results are
 // deterministic). Whitening: the valid tokens are counted in the same pass, and the sums of A and A^2
 // (double) in a second look at the sequence's advantages right after it (still in L1/L2), merged over
@@ -52,9 +53,9 @@ struct SeqSums {
 struct GaeArgs {
   const bool* mask;
   const int64_t* cu;
-  const float* lam;
-  const float* clam;
-  float gamma;
+  const double* lam;
+  const double* clam;
+  double gamma;
   float* adv;
   float* ret;
   SeqSums* sums;  // [S], or null without whitening
@@ -120,8 +121,8 @@ template <typename TR, typename TV, bool MASKED, bool TWO>
 void gae_core(const TR* __restrict r, const TV* __restrict v, const GaeArgs& p, int64_t i, int64_t a, int64_t e) {
   // double carries: no error growth over long sequences, at the same speed
   const double g = p.gamma;
-  const double gl = g * static_cast<double>(p.lam[i]);
-  const double gc = g * static_cast<double>(p.clam[i]);
+  const double gl = g * p.lam[i];
+  const double gc = g * p.clam[i];
   const bool* __restrict m = p.mask;
   float* __restrict adv = p.adv;
   float* __restrict ret = p.ret;
@@ -261,8 +262,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_forward(const at::Tensor& rew
   const int64_t* cu = check_cu(cu_seqlens, op);
   const int64_t nseq = cu_seqlens.numel() - 1;
   for (const at::Tensor* t : {&lam, &critic_lam}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == nseq && t->device().is_cpu(),
-                op, ": lam and critic_lam must be contiguous float32 CPU tensors [S]");
+    TORCH_CHECK(t->scalar_type() == at::kDouble && t->is_contiguous() && t->numel() == nseq && t->device().is_cpu(),
+                op, ": lam and critic_lam must be contiguous float64 CPU tensors [S]");
   }
   const bool* m = nullptr;
   if (mask.has_value()) {
@@ -277,9 +278,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_forward(const at::Tensor& rew
   at::Tensor adv = covered ? at::empty({n}, f32) : at::zeros({n}, f32);
   at::Tensor ret = covered ? at::empty({n}, f32) : at::zeros({n}, f32);
   std::vector<SeqSums> sums(whiten ? nseq : 0);
-  GaeArgs p{m, cu, lam.const_data_ptr<float>(), critic_lam.const_data_ptr<float>(), static_cast<float>(gamma),
+  GaeArgs p{m, cu, lam.const_data_ptr<double>(), critic_lam.const_data_ptr<double>(), gamma,
             adv.data_ptr<float>(), ret.data_ptr<float>(), whiten ? sums.data() : nullptr};
-  const bool two = critic_lam.const_data_ptr<float>() != lam.const_data_ptr<float>();
+  const bool two = critic_lam.const_data_ptr<double>() != lam.const_data_ptr<double>();
   switch (rewards.scalar_type()) {
     case at::kFloat:
       dispatch_values(rewards.const_data_ptr<float>(), values, p, nseq, n, two);

@@ -7,7 +7,10 @@ The op works on one canonical form, built by the public wrapper from either
 input layout: flat token tensors rewards [N] and values [N] (fp32 / bf16 /
 fp16, each in its own dtype), an optional bool mask [N], int64 cu_seqlens
 [S+1], and the per-sequence lambdas lam [S] (advantages) and critic_lam [S]
-(returns), both fp32. Padded [B, T] inputs become N = B*T with cu_seqlens =
+(returns), both float64 (float32 on MPS, which has no float64): gamma and
+the lambdas enter the kernels' float64 carries unrounded (an fp32 0.999 is
+1.3e-8 off, and a^k over a 1000-token horizon turns that into ~1e-5 of the
+returns; docs/gae.md). Padded [B, T] inputs become N = B*T with cu_seqlens =
 T * arange(B + 1) and uniform_len = T (a hint: the torch backend scans [B, T]
 rows instead of one flat row); packed inputs keep their cu_seqlens and
 uniform_len = 0. whiten_stats is fp32 [3] (count of valid tokens, mean, unbiased
@@ -91,7 +94,12 @@ def _lam_arg(name: str, x, nseq: int, device) -> Tensor | float | None:
                          f"got shape {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device} but rewards is on {device}")
-    return x.detach().to(torch.float32).contiguous()
+    return x.detach().to(lam_dtype(device)).contiguous()
+
+
+def lam_dtype(device) -> torch.dtype:
+    """dtype of the canonical lam / critic_lam [S]: float64, float32 on MPS (no float64 there)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
 def _canonical(rewards, values, mask, cu_seqlens):
@@ -130,9 +138,11 @@ def valid_lengths(mask: Tensor | None, cu: Tensor, uniform_len: int) -> Tensor:
 
 
 def adaptive_lambda(lengths: Tensor, lam_alpha: float) -> Tensor:
-    """VAPO's length-adaptive lambda 1 - 1 / (lam_alpha * l), clamped to [0, 1] (l = 0 gives 0), fp32 [S]."""
-    lam = 1.0 - 1.0 / (lam_alpha * lengths.to(torch.float64))
-    return lam.clamp(0.0, 1.0).to(torch.float32)
+    """VAPO's length-adaptive lambda 1 - 1 / (lam_alpha * l), clamped to [0, 1] (l = 0 gives 0), [S] in
+    `lam_dtype`."""
+    wide = lam_dtype(lengths.device)
+    lam = 1.0 - 1.0 / (lam_alpha * lengths.to(wide))
+    return lam.clamp(0.0, 1.0)
 
 
 def _value_checks(cu, n, uniform_len, lam_t, critic_t):
@@ -224,13 +234,13 @@ def gae(
     elif isinstance(lam_v, Tensor):
         lam_t = lam_v
     else:
-        lam_t = torch.full((nseq,), lam_v, dtype=torch.float32, device=dev)
+        lam_t = torch.full((nseq,), lam_v, dtype=lam_dtype(dev), device=dev)
     if critic_v is None:
         critic_t = lam_t  # the same tensor: backends may run one recurrence
     elif isinstance(critic_v, Tensor):
         critic_t = critic_v
     else:
-        critic_t = torch.full((nseq,), critic_v, dtype=torch.float32, device=dev)
+        critic_t = torch.full((nseq,), critic_v, dtype=lam_dtype(dev), device=dev)
     adv, ret, stats = torch.ops.flashrl.gae(r, v, m, cu, lam_t, critic_t, g, whiten, int(uniform_len))
     if checks and whiten:
         count = float(stats[0])  # one host sync, after the op

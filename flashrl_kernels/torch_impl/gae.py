@@ -31,11 +31,12 @@ doubling scan of a flat row went from 4 to 340 ms), so products below 2^-62
 are flushed to 0 (their contribution is below 2^-62 of a carried value,
 far under fp32 resolution).
 
-Accumulation: fp32 (the inputs are converted once). At T = 32768 with
-gamma = lam = 1 (the worst case: nothing decays, A is a sum over the whole
-tail) the error against the float64 reference was 1.1e-4 at max |A| = 508,
-2e-7 relative (verl's own sequential fp32 loop: 1.3e-3), so fp64, twice the
-memory traffic, is not needed. Whitening statistics are summed in float64
+Accumulation: the next-value scan in fp32 (exact: a is 0 or 1), delta and
+the advantage / returns scans in float64 (`scan_dtype`; fp32 on MPS), with
+gamma and the float64 lambdas unrounded. fp32 was fine at gamma = lam = 1
+(2e-7 of max |A| at T = 32768), but an fp32 gamma * lam = 0.999 is 1.3e-8
+off and its powers over a 1000-token horizon put the returns ~1e-5 (relative)
+off the spec; in float64 they are within fp32 rounding of it. Whitening statistics are summed in float64
 (float32 on MPS, which has none). Large temporaries are few and reused in
 place: on CPU each fresh 16 MB buffer costs page faults (docs/gae.md).
 """
@@ -46,6 +47,19 @@ import torch
 CHUNK = 32
 TINY = 2.0 ** -62  # products of a below this become 0: no subnormal arithmetic
 WHITEN_EPS = 1e-8
+
+
+def scan_dtype(device) -> torch.dtype:
+    """dtype of delta and the advantage / returns scans: float64, float32 on MPS (no float64 there)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
+def wide_lambdas(lam: torch.Tensor, critic_lam: torch.Tensor, dtype: torch.dtype = torch.float64):
+    """lam and critic_lam [S] as contiguous `dtype`, still one tensor when critic_lam is lam (the wrapper passes
+    lam twice when critic_lam is None: backends then run one recurrence)."""
+    same = critic_lam.data_ptr() == lam.data_ptr()
+    lam_w = lam.to(dtype).contiguous()
+    return lam_w, lam_w if same else critic_lam.to(dtype).contiguous()
 
 
 def _flush_(a: torch.Tensor) -> torch.Tensor:
@@ -135,9 +149,11 @@ def gae_forward(rewards, values, mask, cu_seqlens, lam, critic_lam, gamma, white
     nseq = cu_seqlens.numel() - 1
     dev = rewards.device
     f32 = torch.float32
+    acc = scan_dtype(dev)
     if n == 0:
         stats = torch.tensor([0.0, float("nan"), float("nan")] if whiten else [], dtype=f32, device=dev)
         return torch.zeros(0, dtype=f32, device=dev), torch.zeros(0, dtype=f32, device=dev), stats
+    lam, critic_lam = wide_lambdas(lam, critic_lam, acc)
     rows, length, last, seq = _layout(n, nseq, cu_seqlens, uniform_len, dev)
     r = rewards.to(f32).view(rows, length)
     v = values.to(f32).view(rows, length)
@@ -162,7 +178,8 @@ def gae_forward(rewards, values, mask, cu_seqlens, lam, critic_lam, gamma, white
         del a, x
     if last is not None:
         nv.masked_fill_(last, 0.0)
-    delta = nv.mul_(gamma).add_(r).sub_(v)  # r + gamma * V_next - V, in nv's buffer
+    delta = nv.to(acc).mul_(gamma).add_(r).sub_(v)  # r + gamma * V_next - V
+    del nv
     if valid is not None:
         delta.masked_fill_(invalid, 0.0)
 
@@ -175,11 +192,11 @@ def gae_forward(rewards, values, mask, cu_seqlens, lam, critic_lam, gamma, white
         return a
 
     if critic_lam.data_ptr() == lam.data_ptr():  # the wrapper passes lam twice when critic_lam is None
-        adv = reverse_scan(coef(lam_t), delta)
-        ret = adv + v
+        adv64 = reverse_scan(coef(lam_t), delta)
+        adv, ret = adv64.to(f32), (adv64 + v).to(f32)
     else:
         both = reverse_scan(torch.stack([coef(lam_t), coef(crit_t)]), delta.expand(2, rows, length))
-        adv, ret = both[0], both[1] + v  # not both[1].add_(v): a custom op's outputs may not alias
+        adv, ret = both[0].to(f32), (both[1] + v).to(f32)
     if valid is not None:
         adv.masked_fill_(invalid, 0.0)
         ret.masked_fill_(invalid, 0.0)

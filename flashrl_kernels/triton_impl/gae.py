@@ -16,18 +16,27 @@ carried element first, as Triton's own linear-recurrence test writes it):
      of two when critic_lam is lam.
 
 Each scan's value at the block's first token is the carry into the next
-block to the left. Accumulation in fp32. Whitening: each program also
-writes its sequence's (count, mean, M2) (blocks merged with Chan's formula);
+block to the left. The next-value scan is exact in fp32 (a is 0 or 1); delta
+and the advantage / returns scans are float64 on GPUs with fast float64
+(`accumulate_fp64`: data-centre parts), with gamma (passed as fp32 hi + lo)
+and the float64 lambdas unrounded: in fp32, gamma * lam = 0.999 is 1.3e-8
+off and its powers over a 1000-token horizon put the returns ~1e-5
+(relative) off the spec, 1.27e-4 at B = 512, T = 8192 on the H200. GPUs with
+1/32 - 1/64-rate float64 keep fp32 scans. Outputs are rounded to fp32 once. Whitening: each program also
+writes its sequence's float64 (count, mean, M2) (blocks merged with Chan's formula);
 a small float64 torch reduction over the sequences makes (mean, rstd) on
 the device (no host sync), and a second elementwise kernel applies them.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2
+from ..torch_impl.gae import wide_lambdas
+from ._host import cdiv, cuda_index, next_power_of_2, split_double
 
 WHITEN_EPS = 1e-8
 ALIGN = 16  # tokens: blocks end at multiples of this (vector loads; see _gae_fwd_kernel)
@@ -69,21 +78,26 @@ def _gae_tile(R, V, MASK, offs, inb, FULL: tl.constexpr, HAS_MASK: tl.constexpr)
 
 
 @triton.jit
-def _gae_fwd_kernel(R, V, MASK, CU, LAM, CLAM, ADV, RET, STATS, N, gamma,
+def _gae_fwd_kernel(R, V, MASK, CU, LAM, CLAM, ADV, RET, STATS, N, gamma_hi, gamma_lo,
                     HAS_MASK: tl.constexpr, TWO: tl.constexpr, WHITEN: tl.constexpr, BLOCK: tl.constexpr,
-                    ALIGN: tl.constexpr):
+                    ALIGN: tl.constexpr, FP64: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     start = tl.minimum(tl.maximum(tl.load(CU + seq), 0), N)
     end = tl.minimum(tl.maximum(tl.load(CU + seq + 1), start), N)
-    gl = gamma * tl.load(LAM + seq)
-    gc = gamma * tl.load(CLAM + seq)
+    if FP64:  # fp32 halves -> float64 (the tensor first: a plain float in the interpreter)
+        gamma = (tl.zeros((), tl.float64) + gamma_hi) + gamma_lo
+    else:
+        gamma = tl.zeros((), tl.float32) + gamma_hi
+    f64 = gamma.dtype  # the accumulation dtype: float64, or fp32 on GPUs with slow float64
+    gl = gamma * tl.load(LAM + seq).to(f64)
+    gc = gamma * tl.load(CLAM + seq).to(f64)
     idx = tl.arange(0, BLOCK)
     nv = tl.zeros((), tl.float32)  # carries from the block to the right
-    ca = tl.zeros((), tl.float32)
-    cr = tl.zeros((), tl.float32)
-    cnt = tl.zeros((), tl.float32)  # whitening: running count, mean, M2 of the sequence's advantages
-    mean = tl.zeros((), tl.float32)
-    m2 = tl.zeros((), tl.float32)
+    ca = tl.zeros((), f64)
+    cr = tl.zeros((), f64)
+    cnt = tl.zeros((), f64)  # whitening: running count, mean, M2 of the sequence's advantages
+    mean = tl.zeros((), f64)
+    m2 = tl.zeros((), f64)
     # blocks end at multiples of ALIGN (the first one at `end` rounded up): the blocks inside the sequence load
     # and store without a mask (vectorized); past `end` the scan elements are identities, so nothing leaks left
     top = ((end + ALIGN - 1) // ALIGN) * ALIGN
@@ -108,30 +122,33 @@ def _gae_fwd_kernel(R, V, MASK, CU, LAM, CLAM, ADV, RET, STATS, N, gamma,
         ya, yb = tl.associative_scan((tl.where(m1, 0.0, 1.0), tl.where(m1, v1, 0.0)), 0, _lin, reverse=True)
         y = ya * nv + yb
         # 2. TD residual
-        delta = tl.where(m, r + gamma * y - v, 0.0)
+        v64 = v.to(f64)
+        delta = tl.where(m, r.to(f64) + gamma * y.to(f64) - v64, 0.0)
         # 3. advantages (and returns)
         aa = tl.where(m, gl, 1.0)
         if TWO:
             pa, pb, qa, qb = tl.associative_scan((aa, delta, tl.where(m, gc, 1.0), delta), 0, _lin2, reverse=True)
-            adv = pa * ca + pb
+            adv64 = pa * ca + pb
             rr = qa * cr + qb
             cr = _first(rr, idx)
         else:
             pa, pb = tl.associative_scan((aa, delta), 0, _lin, reverse=True)
-            adv = pa * ca + pb
-            rr = adv
+            adv64 = pa * ca + pb
+            rr = adv64
         nv = _first(y, idx)
-        ca = _first(adv, idx)
+        ca = _first(adv64, idx)
+        adv = adv64.to(tl.float32)
+        ret = (rr + v64).to(tl.float32)
         if full:
             tl.store(ADV + offs, tl.where(m, adv, 0.0))
-            tl.store(RET + offs, tl.where(m, rr + v, 0.0))
+            tl.store(RET + offs, tl.where(m, ret, 0.0))
         else:
             tl.store(ADV + offs, tl.where(m, adv, 0.0), mask=inb)
-            tl.store(RET + offs, tl.where(m, rr + v, 0.0), mask=inb)
+            tl.store(RET + offs, tl.where(m, ret, 0.0), mask=inb)
         if WHITEN:
-            bn = tl.sum(m.to(tl.float32), axis=0)
-            bmean = tl.sum(tl.where(m, adv, 0.0), axis=0) / tl.maximum(bn, 1.0)
-            d = tl.where(m, adv - bmean, 0.0)
+            bn = tl.sum(m.to(f64), axis=0)
+            bmean = tl.sum(tl.where(m, adv64, 0.0), axis=0) / tl.maximum(bn, 1.0)
+            d = tl.where(m, adv64 - bmean, 0.0)
             bm2 = tl.sum(d * d, axis=0)
             tot = cnt + bn
             delta_mean = bmean - mean
@@ -184,6 +201,26 @@ def merge_moments(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([mean, torch.rsqrt(var + WHITEN_EPS)]).float(), torch.stack([n, mean, var]).float()
 
 
+# GPUs whose float64 units run at 1/2 - 1/3 of fp32 (data-centre parts); elsewhere (1/32 - 1/64) a float64 scan
+# would cost ~0.3 ms a 4M-token batch on an RTX 3090-class GPU (estimated: ~90 float64 operations per thread and
+# block) against ~0.1 ms for the whole kernel, so those scan in fp32 (the ~1e-5 of the spec of before)
+FAST_FP64_CUDA = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}  # P100, V100, A100 / A30, H100 / H200, B200
+FAST_FP64_HIP = ("gfx90a", "gfx940", "gfx941", "gfx942", "gfx950")  # MI200, MI300, MI350
+
+
+@functools.cache
+def _fast_fp64(index: int) -> bool:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip:
+        return getattr(props, "gcnArchName", "").split(":")[0] in FAST_FP64_HIP
+    return (props.major, props.minor) in FAST_FP64_CUDA
+
+
+def accumulate_fp64(device: torch.device) -> bool:
+    """Whether the scans run in float64 on `device` (always under the CPU interpreter)."""
+    return device.type != "cuda" or _fast_fp64(cuda_index(device))
+
+
 def _block(n: int, nseq: int, uniform_len: int) -> tuple[int, int]:
     """Block size from the (typical) sequence length, known on the host without a sync; and num_warps."""
     typical = uniform_len if uniform_len > 0 else max(1, n // max(nseq, 1))
@@ -203,13 +240,15 @@ def gae_forward(rewards, values, mask, cu_seqlens, lam, critic_lam, gamma, white
     if n == 0:
         stats = torch.tensor([0.0, float("nan"), float("nan")] if whiten else [], dtype=f32, device=dev)
         return adv, ret, stats
+    lam, critic_lam = wide_lambdas(lam, critic_lam)
     two = critic_lam.data_ptr() != lam.data_ptr()
-    seq_stats = torch.empty((nseq, 3) if whiten else (1, 3), dtype=f32, device=dev)
+    seq_stats = torch.empty((nseq, 3) if whiten else (1, 3), dtype=torch.float64, device=dev)
     mask_arg = mask.view(torch.uint8) if mask is not None else rewards
     block, warps = _block(n, nseq, uniform_len)
     _gae_fwd_kernel[(nseq,)](
-        rewards, values, mask_arg, cu_seqlens, lam, critic_lam, adv, ret, seq_stats, n, float(gamma),
-        HAS_MASK=mask is not None, TWO=two, WHITEN=bool(whiten), BLOCK=block, ALIGN=ALIGN, num_warps=warps,
+        rewards, values, mask_arg, cu_seqlens, lam, critic_lam, adv, ret, seq_stats, n, *split_double(gamma),
+        HAS_MASK=mask is not None, TWO=two, WHITEN=bool(whiten), BLOCK=block, ALIGN=ALIGN,
+        FP64=accumulate_fp64(dev), num_warps=warps,
     )
     if not whiten:
         return adv, ret, torch.zeros(0, dtype=f32, device=dev)

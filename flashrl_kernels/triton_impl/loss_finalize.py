@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..torch_impl import policy_loss as _policy
 from ..torch_impl import value_loss as _value
-from ._host import next_power_of_2
+from ._host import next_power_of_2, split_double
 
 _AGG = {"token-mean": 0, "token-sum": 1}  # anything else divides by the non-empty sequences
 N_VALUE_METRICS = 6  # len(ops.value_loss.VALUE_METRIC_NAMES), in the order the kernel stores them
@@ -43,8 +43,7 @@ def _divisor(NORM, n_tok, n_seq, DIV_HI, DIV_LO, HAS_NORM: tl.constexpr, AGG: tl
 
 def _split_float(x: float, dtype: torch.dtype) -> tuple[float, float]:
     """x as hi + lo, both fp32-representable: the divisor the torch path makes in `dtype`, exactly (fp32: lo 0)."""
-    hi = float(np.float32(x))
-    return (hi, 0.0) if dtype == torch.float32 else (hi, float(np.float32(float(x) - hi)))
+    return (float(np.float32(x)), 0.0) if dtype == torch.float32 else split_double(x)
 
 
 @triton.jit

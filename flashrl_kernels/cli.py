@@ -160,13 +160,15 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     from flashrl_kernels.trainer.config import TrainConfig
 
     group = parser.add_argument_group("training options (override the config file)")
+    # default=SUPPRESS: a flag not given leaves no attribute, so _train_config keeps the config file's value (or
+    # TrainConfig's default), while an explicit `--dual-clip none` is there as None and overrides it.
     for f in dataclasses.fields(TrainConfig):
         default = f.default
         if "None" in str(f.type):
             kind = _parse_optional_float
         else:
             kind = {bool: _parse_bool, int: int, float: float, str: str}[type(default)]
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}", type=kind, default=None,
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}", type=kind, default=argparse.SUPPRESS,
                            metavar="FLOAT|none" if kind is _parse_optional_float else type(default).__name__.upper(),
                            help=f"default: {default!r}" + (" (the algo's)" if default is None else ""))
 
@@ -187,7 +189,8 @@ def _parse_optional_float(text: str):
 def _train_config(args, base: dict):
     from flashrl_kernels.trainer.config import TrainConfig
 
-    overrides = {k.removeprefix("opt_"): v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    # Only the flags given are in args (default=SUPPRESS); None is an explicit `none`, like `null` in the file.
+    overrides = {k.removeprefix("opt_"): v for k, v in vars(args).items() if k.startswith("opt_")}
     values = dict(base, **overrides)
     if getattr(args, "config", None):
         return TrainConfig.from_yaml(args.config, values)

@@ -76,3 +76,25 @@ def test_token_logprobs_bench_cases_run_at_tiny_size(monkeypatch):
     assert any(c.baseline for c in cases) and any(c.impl.startswith("flashrl") for c in cases)
     for c in cases:
         c.make()()
+
+
+def _train_cfg(argv):
+    return cli._config_or_none(cli.build_parser().parse_args(argv), argv[0])
+
+
+def test_train_flag_none_overrides_the_default():
+    # FLOAT|none options: an explicit `none` is None, not "flag not given" (which kept dual_clip = 3.0)
+    assert _train_cfg(["train", "--dual-clip", "none"]).dual_clip is None
+    assert _train_cfg(["demo", "--value-clip", "off"]).value_clip is None
+    assert _train_cfg(["ablate", "--dual-clip", "2.5"]).dual_clip == 2.5
+    default = _train_cfg(["train"])
+    assert (default.dual_clip, default.value_clip, default.lam, default.steps) == (3.0, 0.5, None, 60)
+
+
+def test_train_flags_override_the_config_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("dual_clip: 2.0\nlam: 0.9\nvalue_clip: null\nsteps: 7\n")
+    from_file = _train_cfg(["train", "--config", str(path)])
+    assert (from_file.dual_clip, from_file.lam, from_file.value_clip, from_file.steps) == (2.0, 0.9, None, 7)
+    flags = _train_cfg(["train", "--config", str(path), "--dual-clip", "none", "--lam", "none", "--value-clip", "0.3"])
+    assert (flags.dual_clip, flags.lam, flags.value_clip, flags.steps) == (None, None, 0.3, 7)

@@ -190,11 +190,11 @@ def _train_config(args, base: dict):
     from flashrl_kernels.trainer.config import TrainConfig
 
     # Only the flags given are in args (default=SUPPRESS); None is an explicit `none`, like `null` in the file.
+    # Precedence: the command's defaults (`base`), then the config file, then the flags given.
     overrides = {k.removeprefix("opt_"): v for k, v in vars(args).items() if k.startswith("opt_")}
-    values = dict(base, **overrides)
     if getattr(args, "config", None):
-        return TrainConfig.from_yaml(args.config, values)
-    return TrainConfig.from_dict(values)
+        return TrainConfig.from_yaml(args.config, overrides, defaults=base)
+    return TrainConfig.from_dict(dict(base, **overrides))
 
 
 def _run_training(cfg, resume=None) -> int:

@@ -98,3 +98,7 @@ def test_train_flags_override_the_config_file(tmp_path):
     assert (from_file.dual_clip, from_file.lam, from_file.value_clip, from_file.steps) == (2.0, 0.9, None, 7)
     flags = _train_cfg(["train", "--config", str(path), "--dual-clip", "none", "--lam", "none", "--value-clip", "0.3"])
     assert (flags.dual_clip, flags.lam, flags.value_clip, flags.steps) == (None, None, 0.3, 7)
+    assert from_file.out_dir == "runs/train"  # the command's default where the file names none
+    path.write_text("out_dir: my_runs/a\nsteps: 7\n")
+    assert _train_cfg(["train", "--config", str(path)]).out_dir == "my_runs/a"  # the file's over the command's
+    assert _train_cfg(["train", "--config", str(path), "--out-dir", "b"]).out_dir == "b"  # a flag over both

@@ -280,15 +280,16 @@ class TrainConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    def from_yaml(cls, path: str, overrides: dict[str, Any] | None = None,
+                  defaults: dict[str, Any] | None = None) -> TrainConfig:
+        """The file's options over `defaults` (e.g. a command's own out_dir), `overrides` over both."""
         import yaml
 
         with open(path) as f:
             values = yaml.safe_load(f) or {}
         if not isinstance(values, dict):
             raise TypeError(f"config file {path} must hold a mapping of option: value")
-        values.update(overrides or {})
-        return cls.from_dict(values)
+        return cls.from_dict({**(defaults or {}), **values, **(overrides or {})})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

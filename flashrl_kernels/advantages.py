@@ -134,7 +134,11 @@ def group_advantages(
     kf = keep.view(-1, group_size).to(torch.float64)
     k = kf.sum(1, keepdim=True)
     mean = (r * kf).sum(1, keepdim=True) / k.clamp(min=1.0)
-    centred = (r - mean) * kf
+    # equal kept rewards: centred exactly 0 (sum / k can be 1 ulp off the reward, and that over a std of the same
+    # size gave +-1 advantages with std_eps = 0)
+    big = torch.finfo(torch.float64).max
+    flat = r.masked_fill(kf == 0, -big).amax(1, keepdim=True) == r.masked_fill(kf == 0, big).amin(1, keepdim=True)
+    centred = torch.where(flat, torch.zeros_like(r), (r - mean) * kf)
     if mode == "grpo":
         dof = (k - 1.0) if unbiased_std else k
         var = (centred * centred).sum(1, keepdim=True) / dof.clamp(min=1.0)

@@ -35,6 +35,22 @@ def test_grpo_known_values_and_equal_group():
     torch.testing.assert_close(rloo[:4], torch.tensor([1 - 1 / 3, -2 / 3, 1 - 1 / 3, -2 / 3]))
 
 
+@pytest.mark.parametrize("g, value", [(15, 3.852453064766108), (9, 5.598136790149003)])
+def test_equal_float64_rewards_give_zero_advantage(g, value):
+    """sum / G of G equal float64 rewards is 1 ulp off the reward for these; over a std of the same size that gave
+    +-0.95 advantages with std_eps = 0 (the spec too). Also a GFPO-kept subset of equal rewards."""
+    r = torch.cat([torch.full((g,), value, dtype=torch.float64), torch.randn(g, dtype=torch.float64)])
+    assert float(r[:g].sum() / g) != value  # the case: the plain mean is off
+    for mode in ("grpo", "dr_grpo", "rloo"):
+        out = fk.group_advantages(r, g, mode=mode, std_eps=0.0).advantages
+        assert torch.all(out[:g] == 0), mode
+        assert torch.all(group_advantages_spec(r, g, mode=mode, std_eps=0.0)[:g] == 0), mode
+        torch.testing.assert_close(out, group_advantages_spec(r, g, mode=mode, std_eps=0.0))
+    lengths = torch.arange(2 * g) % 5 + 1
+    kept = fk.group_advantages(r, g, std_eps=0.0, gfpo_metric="length", keep_k=g - 2, lengths=lengths)
+    assert torch.all(kept.advantages[:g] == 0)
+
+
 def test_float64_rewards_stay_float64():
     r = torch.randn(12, dtype=torch.float64)
     out = fk.group_advantages(r, 4)

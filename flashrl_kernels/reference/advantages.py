@@ -16,6 +16,9 @@ def group_advantages_spec(rewards, group_size, *, mode="grpo", std_eps=1e-6, unb
         k = len(idx)
         if k == 0:
             continue
+        if min(r[i] for i in idx) == max(r[i] for i in idx):
+            continue  # equal rewards: 0 in every mode (sum / k can be 1 ulp off the reward; over a std of the
+            # same size that gave +-1 advantages with std_eps = 0)
         mean = sum(r[i] for i in idx) / k
         for i in idx:
             if mode == "grpo":

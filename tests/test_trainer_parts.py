@@ -67,11 +67,48 @@ def test_build_batch_aligns_targets_with_the_logits_that_predict_them():
         ({"rollout_engine": "hf", "rollout_quant": "int8"}, "needs the vLLM engine"),
         ({"lr": 0.0}, "lr"),
         ({"hidden_size": 96}, "hidden_size"),
+        ({"advantage": "gfpo_length", "gfpo_keep": 1}, "gfpo_keep"),  # one kept sample: advantage 0
+        ({"eps_low": 1.0}, "eps_low"),
+        ({"tis_max": 0.0, "tis_min": 0.0}, "tis_max"),
+        ({"tis": "none", "tis_min": 3.0}, "tis_min"),  # the loss config rejects it whatever tis is
     ],
 )
 def test_bad_config_names_the_option(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"dynamic_sampling": "false"}, "dynamic_sampling must be bool"),
+                                           ({"group_size": 4.0}, "group_size must be int"),
+                                           ({"lr": True}, "lr must be a number"),
+                                           ({"lam": "0.9"}, "lam must be a number or None")])
+def test_config_option_types(kwargs, match):
+    """A YAML `dynamic_sampling: "false"` is a true string: types are checked, not coerced."""
+    with pytest.raises(TypeError, match=match):
+        TrainConfig(**kwargs)
+    assert TrainConfig(lr=1, lam=1).lr == 1  # ints are numbers
+
+
+def test_overlong_cache_beyond_the_response_budget_fails_before_the_warm_start(tmp_path, monkeypatch):
+    from flashrl_kernels.trainer import loop
+
+    monkeypatch.setattr(loop, "warm_start", lambda *a, **k: pytest.fail("warm start ran"))
+    with pytest.raises(ValueError, match="overlong_cache.*max_new_tokens"):
+        loop.Trainer(TrainConfig(overlong_cache=8, max_new_tokens=4, cache_dir=str(tmp_path)))
+
+
+def test_dynamic_sampling_filters_on_scores_and_dr_grpo_constant():
+    """DAPO filters on accuracy: an all-correct group whose overlong penalties differ is still dropped; and
+    seq-mean-token-sum-norm divides by the response budget."""
+    from flashrl_kernels.trainer.loop import compute_advantages, loss_config
+
+    cfg = TrainConfig(dynamic_sampling=True, group_size=4, prompts_per_step=2)
+    scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    rewards = scores + torch.tensor([0.0, -0.5, -0.25, 0.0, 0.0, 0.0, 0.0, 0.0])  # overlong penalties
+    _, keep = compute_advantages(cfg, rewards, torch.ones(8), scores=scores)
+    assert keep.tolist() == [False] * 4 + [True] * 4
+    assert loss_config(TrainConfig(loss_agg="seq-mean-token-sum-norm"), 12).normalizer == 12.0
+    assert loss_config(TrainConfig(), 12).normalizer is None
 
 
 def test_unknown_option_and_yaml(tmp_path):

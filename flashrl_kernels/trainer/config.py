@@ -150,7 +150,21 @@ class TrainConfig:
         """Whether rollouts come from the asynchronous engine (the engine process generates continuously)."""
         return self.rollout_mode == "async" or (self.rollout_mode == "auto" and self.max_staleness > 0)
 
+    def _check_types(self) -> None:
+        """Each option's type (a YAML `dynamic_sampling: "false"` is a string, and a string is true)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if "None" in str(f.type):  # float | None
+                kinds, label = (int, float, type(None)), "a number or None"
+            else:
+                kind = type(f.default)
+                kinds, label = ((int, float), "a number") if kind is float else ((kind,), kind.__name__)
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise TypeError(f"option {f.name} must be {label}, got {value!r} ({type(value).__name__})")
+
     def validate(self) -> None:
+        self._check_types()
+
         def choice(name, allowed):
             value = getattr(self, name)
             if value not in allowed:
@@ -208,10 +222,16 @@ class TrainConfig:
             raise ValueError(f"option group_size must be >= 2 (group advantages need a group), got {self.group_size}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"option dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if self.tis != "none" and self.tis_min > self.tis_max:
+        if self.tis_min > self.tis_max:  # checked with tis 'none' too: the loss config rejects it either way
             raise ValueError(f"option tis_min ({self.tis_min}) must not exceed tis_max ({self.tis_max})")
-        if self.advantage.startswith("gfpo") and not 1 <= self.gfpo_keep < self.group_size:
-            raise ValueError(f"option gfpo_keep must be in [1, group_size) for GFPO, got {self.gfpo_keep}")
+        if not self.tis_max > 0:
+            raise ValueError(f"option tis_max must be > 0, got {self.tis_max}")
+        if not self.eps_low < 1.0:
+            raise ValueError(f"option eps_low must be in [0, 1) (the ratio's lower clip is 1 - eps_low), "
+                             f"got {self.eps_low}")
+        if self.advantage.startswith("gfpo") and not 2 <= self.gfpo_keep < self.group_size:
+            raise ValueError(f"option gfpo_keep must be in [2, group_size) for GFPO (one kept sample has advantage 0: "
+                             f"no gradient), got {self.gfpo_keep}")
         if (self.prompts_per_step * self.group_size) % self.minibatches:
             raise ValueError(
                 f"option minibatches ({self.minibatches}) must divide prompts_per_step * group_size "

@@ -70,12 +70,16 @@ def sequence_logprobs(model, ids, attn, targets, temperature, fused: bool, with_
     return fk.token_logprobs(logits, targets, temperature=temperature, return_entropy=with_entropy, ignore_index=IGNORE)
 
 
-def loss_config(cfg: TrainConfig):
+def loss_config(cfg: TrainConfig, max_new_tokens: int | None = None):
+    """The policy loss's config. seq-mean-token-sum-norm divides by a constant, the response budget
+    max_new_tokens (Dr. GRPO; verl's default divisor, the padded width, would here be prompt + completion and
+    move with every batch's longest row)."""
+    constant = cfg.loss_agg == "seq-mean-token-sum-norm" and max_new_tokens
     return fk.LossConfig(
         eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
         importance_sampling_level=cfg.level, tis_mode=cfg.tis, tis_min=cfg.tis_min, tis_max=cfg.tis_max,
         loss_agg_mode=cfg.loss_agg, beta=cfg.beta, entropy_coef=cfg.entropy_coef,
-        nll_coef=float(cfg.resolved("nll_coef")),
+        nll_coef=float(cfg.resolved("nll_coef")), normalizer=float(max_new_tokens) if constant else None,
     )
 
 
@@ -91,22 +95,27 @@ def gae_targets(cfg: TrainConfig, rewards, values, mask, whiten=None):
                   whiten=whiten and int(mask.sum()) >= 2)
 
 
-def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.Tensor):
-    """Advantages [B] and the mask of samples that train (GFPO keeps k of G; dynamic sampling drops flat groups)."""
+def compute_advantages(cfg: TrainConfig, rewards: torch.Tensor, lengths: torch.Tensor, scores=None):
+    """Advantages [B] and the mask of samples that train (GFPO keeps k of G; dynamic sampling drops flat groups).
+
+    scores: the verifier's rewards before DAPO's overlong penalty (default: rewards); dynamic sampling drops the
+    groups whose scores are all equal (DAPO filters on accuracy: an all-correct group of unequal lengths, whose
+    penalised rewards differ, is still dropped)."""
     mode, kwargs = cfg.advantage, {}
     if mode.startswith("gfpo_"):
         # GFPO = GRPO statistics over the k kept samples of each group (flashrl_kernels.group_advantages)
         kind = mode.removeprefix("gfpo_")
         if kind == "adaptive":  # shortest kept; k by group difficulty, gfpo_keep for the hardest groups
             k = cfg.gfpo_keep
-            schedule = ((0.75, max(1, math.ceil(k / 2))), (0.5, max(1, math.ceil(3 * k / 4))), (-math.inf, k))
+            # at least 2 kept: the GRPO advantage of a lone sample is 0 (no gradient from the group)
+            schedule = ((0.75, max(2, math.ceil(k / 2))), (0.5, max(2, math.ceil(3 * k / 4))), (-math.inf, k))
             kwargs = {"gfpo_metric": "length", "keep_k": "adaptive", "k_schedule": schedule}
         else:
             kwargs = {"gfpo_metric": kind, "keep_k": cfg.gfpo_keep}
         mode = "grpo"
     adv, keep = fk.group_advantages(rewards, cfg.group_size, mode=mode, lengths=lengths, **kwargs)
     if cfg.dynamic_sampling:
-        informative = ~fk.dynamic_sampling_mask(rewards, cfg.group_size)
+        informative = ~fk.dynamic_sampling_mask(rewards if scores is None else scores, cfg.group_size)
         keep = keep & informative
     return adv * keep, keep
 
@@ -120,6 +129,18 @@ def _save_checkpoint(path, model, opt, step, rng_state, extra=None):
     os.replace(tmp, os.path.join(path, "trainer_state.pt"))  # a killed save never leaves a torn checkpoint
 
 
+def _step_metric(name: str, values: list[float], passes: int) -> float:
+    """A step's value of a per-minibatch metric: the largest of the *_max, the smallest of the *_min, the count
+    of one pass over the batch for num_* (summed over the minibatches, divided by the passes), else the mean."""
+    if name.endswith("_max"):
+        return max(values)
+    if name.endswith("_min"):
+        return min(values)
+    if name.startswith("num_"):
+        return sum(values) / max(passes, 1)
+    return sum(values) / len(values)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, log=print):
         self.cfg = cfg
@@ -128,6 +149,9 @@ class Trainer:
         self.train_set, self.eval_set = self.task.splits()
         self.reward_fn = REWARDS[cfg.reward_name]
         self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_chars + 1
+        if cfg.overlong_cache > self.max_new_tokens:  # here, before the warm start, not at the first step
+            raise ValueError(f"option overlong_cache ({cfg.overlong_cache}) must not exceed the response budget "
+                             f"max_new_tokens ({self.max_new_tokens}{'' if cfg.max_new_tokens else ', the task default'})")
         torch.manual_seed(cfg.seed)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,7 +168,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.rng = random.Random(cfg.seed)
         self.step = 0
-        self.loss_cfg = loss_config(cfg)
+        self.loss_cfg = loss_config(cfg, self.max_new_tokens)
         self.engine = None if cfg.is_async else make_rollout(cfg, self.model, self.tokenizer, self.model_dir)
         self.async_engine = None  # started by start_async() (after a resume has set the version)
         self.history: list[dict] = []
@@ -250,14 +274,14 @@ class Trainer:
         if cfg.value_based:
             keep = torch.ones_like(rewards, dtype=torch.bool)
             if cfg.dynamic_sampling:
-                keep = ~fk.dynamic_sampling_mask(rewards, cfg.group_size)
+                keep = ~fk.dynamic_sampling_mask(r["scores"], cfg.group_size)  # on accuracy, as DAPO
             mask = (targets != IGNORE) & keep[:, None]
             with torch.no_grad():
                 old_values = self.critic(ids, attn)
             adv, returns = gae_targets(cfg, rewards, old_values, mask)
             positive = r["scores"] >= 1.0  # VAPO's positive examples: responses the verifier accepts
         else:
-            adv, keep = compute_advantages(cfg, rewards, lengths)
+            adv, keep = compute_advantages(cfg, rewards, lengths, scores=r["scores"])
             mask = (targets != IGNORE) & keep[:, None]
             positive = None
         m.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
@@ -301,7 +325,7 @@ class Trainer:
                 for name, val in items:
                     agg.setdefault(name, []).append(float(val))
         m["time_update"] = time.perf_counter() - t0
-        m.update({k: sum(v) / len(v) for k, v in agg.items()})
+        m.update({k: _step_metric(k, v, cfg.num_iterations) for k, v in agg.items()})
 
         # time_sync (+ sync_codes_changed, sync_max_scale_change); async: pause, write, resume
         try:
@@ -362,7 +386,7 @@ class Trainer:
         return accuracy(self.model, self.tokenizer, self.eval_set, self.max_new_tokens, score=score)
 
     def save(self, path: str) -> None:
-        extra = {"value_pretrained": self.value_pretrained}
+        extra = {"value_pretrained": self.value_pretrained, "history": self.history}
         if self.critic is not None:
             extra.update(critic=self.critic.state_dict(), value_opt=self.value_opt.state_dict())
         _save_checkpoint(path, self.model, self.opt, self.step, self.rng.getstate(), extra)
@@ -378,6 +402,7 @@ class Trainer:
             self.critic.load_state_dict(state["critic"])
             self.value_opt.load_state_dict(state["value_opt"])
         self.value_pretrained = state.get("value_pretrained", 0)
+        self.history = list(state.get("history", []))  # the logged steps up to the checkpoint (run.py's summary)
         self.step = state["step"]
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])

@@ -162,10 +162,18 @@ def _train(trainer, cfg: TrainConfig, resume, progress, say, log_path: str, t_st
         say(f"RL: {cfg.advantage} advantages, {cfg.level}-level ratios, TIS {cfg.tis}, {cfg.loss_agg}, "
             f"{cfg.steps} steps x {cfg.prompts_per_step} prompts x {cfg.group_size} samples")
 
-    acc_start = trainer.evaluate()
-    if not resume:
-        write_jsonl(log_path, {"step": 0, "eval_accuracy": acc_start})
-        trainer.history.append({"step": 0, "eval_accuracy": acc_start})
+    # resumed: the warm start's accuracy and the steps before the checkpoint come from it (load), so the
+    # summary covers the whole run
+    acc_start = next((h["eval_accuracy"] for h in trainer.history if h.get("step") == 0 and "eval_accuracy" in h),
+                     None) if resume else None
+    if acc_start is None:
+        acc_start = trainer.evaluate()
+        if resume:
+            say("note: the checkpoint holds no warm-start accuracy (written before 2026-12-04): the 'warm start' "
+                "row is the resumed model's")
+        else:
+            write_jsonl(log_path, {"step": 0, "eval_accuracy": acc_start})
+            trainer.history.append({"step": 0, "eval_accuracy": acc_start})
     pretrain: list[dict] = []
     if cfg.value_based and trainer.value_pretrained < cfg.value_pretrain_steps:
         vbar = tqdm(total=cfg.value_pretrain_steps, initial=trainer.value_pretrained, desc="value pretraining",
@@ -182,12 +190,14 @@ def _train(trainer, cfg: TrainConfig, resume, progress, say, log_path: str, t_st
     ckpt = os.path.join(cfg.out_dir, "checkpoint")
     while trainer.step < cfg.steps:
         m = trainer.rl_step()
-        if trainer.step % cfg.eval_every == 0 or trainer.step == cfg.steps:
+        evaluate = trainer.step % cfg.eval_every == 0 or trainer.step == cfg.steps
+        if evaluate:
             if trainer.step == cfg.steps:
                 trainer.close()  # async: what the engine generates ahead is not needed; its CPUs go to the evaluation
             acc = m["eval_accuracy"] = trainer.evaluate()
-            trainer.save(ckpt)
         trainer.history.append(m)
+        if evaluate:
+            trainer.save(ckpt)  # with the history up to this step
         write_jsonl(log_path, m)
         bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{acc:.2f}", len=f"{m['response_length']:.1f}")
         bar.update(1)

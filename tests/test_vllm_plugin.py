@@ -230,6 +230,70 @@ def test_logprobs_of_bf16_greedy_tokens_close_to_bf16(engines, quant, mean_tol, 
     assert diff.max() > 0  # it is a quantized engine, not the bf16 one
 
 
+class _OneReplicatedLinear(torch.nn.Module):
+    """A vLLM ReplicatedLinear (DeepSeek-V2's q_a_proj / kv_a_proj_with_mqa, MiniCPM3, OPT's project_in/out)
+    under a flashrl config, loading as vLLM's models do: each tensor through its parameter's weight_loader."""
+
+    def __init__(self, quant):
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.linear import ReplicatedLinear
+        from vllm.model_executor.layers.quantization import get_quantization_config
+
+        super().__init__()
+        with set_current_vllm_config(VllmConfig()):
+            self.proj = ReplicatedLinear(128, 64, bias=True, quant_config=get_quantization_config(quant)(),
+                                         params_dtype=torch.bfloat16, prefix="proj")
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].weight_loader(params[name], t)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_replicated_linear_quantizes_on_load_and_sync(engines, quant):
+    """ReplicatedLinear's own loader is a plain copy_ (bf16 values cast into the codes): its flashrl weight
+    loads through a quantizing loader instead, at start-up and at a sync."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from flashrl_kernels.integrations.vllm import load_into_model
+    from flashrl_kernels.integrations.vllm.quant import logical_weight
+
+    engines("flashrl_int8")  # an in-process engine: the vLLM distributed state a vLLM layer is built in
+    model = _OneReplicatedLinear(quant)
+    layer = model.proj
+    assert layer.weight.dtype == QDTYPE[quant]
+    g = torch.Generator().manual_seed(3)
+    w = (0.05 * torch.randn(64, 128, generator=g)).to(torch.bfloat16)
+    b = (0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    model.load_weights([("proj.weight", w), ("proj.bias", b)])  # what model.load_weights does at start-up
+    layer.quant_method.process_weights_after_loading(layer)
+    q, s = fk.quantize_rows(w, QDTYPE[quant])
+    assert torch.equal(logical_weight(layer).view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(layer.weight_scale, s)
+    x = torch.randn(4, 128, generator=g).to(torch.bfloat16)
+    ref = x.float() @ w.float().T + b.float()
+    assert (layer(x)[0].float() - ref).abs().max() < 0.05 * ref.abs().max()
+    # a sync (the worker side of sync_weights): fp32 trainer values, quantized into the same storage
+    w2 = w.float() + 1e-3 * torch.randn(64, 128, generator=g)
+    ptr = layer.weight.data_ptr()
+    res = load_into_model(model, {"proj.weight": w2})
+    q2, s2 = fk.quantize_rows(w2, QDTYPE[quant])
+    assert torch.equal(logical_weight(layer).view(torch.uint8), q2.view(torch.uint8))
+    assert torch.equal(layer.weight_scale, s2) and layer.weight.data_ptr() == ptr
+    assert res.codes_total == q2.numel() and res.codes_changed == int((q2.view(torch.uint8) != q.view(torch.uint8)).sum())
+    assert res.bytes_written == 64 * 128 + 64 * (4 + (4 if getattr(layer, "weight_comp", None) is not None else 0))
+
+    class OwnLoader(ReplicatedLinear):  # a loader flashrl cannot know the meaning of: refused, not copied into codes
+        def weight_loader(self, param, loaded_weight):
+            param.data.copy_(loaded_weight)
+
+    with set_current_vllm_config(VllmConfig()), pytest.raises(NotImplementedError, match="overrides"):
+        OwnLoader(128, 64, quant_config=get_quantization_config(quant)(), params_dtype=torch.bfloat16)
+
+
 # ---- weight sync ----
 
 def check_sync_equals_fresh(target, fresh, tensors):

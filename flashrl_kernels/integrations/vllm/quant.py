@@ -1,6 +1,6 @@
 """flashrl_int8 / flashrl_fp8: vLLM quantization methods whose weights are stored quantized and loaded in place.
 
-Every linear layer (column, row, QKV, merged gate/up) gets
+Every linear layer (column, row, QKV, merged gate/up, replicated) gets
   weight        [out, in]  torch.int8 or torch.float8_e4m3fn   (a vLLM ModelWeightParameter)
   weight_scale  [out]      fp32, one scale per output row      (a buffer)
 and no bf16 copy. INT8 layers that run the native W8A8 kernel on an AVX-512 VNNI or AVX2
@@ -22,7 +22,9 @@ weight_loader_v2 computes (shard_offset, shard_size, shard_id) and calls
 load_qkv_weight / load_merged_column_weight / load_column_parallel_weight /
 load_row_parallel_weight on the parameter, which narrows the source and the
 destination exactly as vLLM's _ColumnvLLMParameter / RowvLLMParameter do,
-then quantizes instead of copying.
+then quantizes instead of copying. ReplicatedLinear has no weight_loader_v2:
+its own loader is a plain copy_ (which would cast bf16 values into the codes),
+so its weight gets _replicated_weight_loader, which quantizes the whole tensor.
 
 Embeddings and the LM head stay in the model dtype by default (their
 quantization error lands directly on the logits), with a method that keeps
@@ -51,6 +53,7 @@ import torch
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
+    ReplicatedLinear,
     register_weight_loader_v2_supported_method,
 )
 from vllm.model_executor.layers.quantization import register_quantization_config
@@ -262,6 +265,10 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
         shard_rank = self.tp_rank if shard_id == "q" else self.tp_rank // num_heads
         self._write(shard_offset, loaded_weight.narrow(self.output_dim, shard_rank * shard_size, shard_size))
 
+    def load_replicated_weight(self, loaded_weight: torch.Tensor):
+        """A ReplicatedLinear's whole weight: every rank holds (and quantizes) every row."""
+        self._write(0, loaded_weight)
+
     def load_vocab_weight(self, loaded_weight: torch.Tensor):
         """An embedding / LM head table, as VocabParallelEmbedding.weight_loader lays it out.
 
@@ -317,6 +324,11 @@ def _vocab_weight_loader(param: FlashRLQuantizedWeight, loaded_weight: torch.Ten
     param.load_vocab_weight(loaded_weight)
 
 
+def _replicated_weight_loader(param: FlashRLQuantizedWeight, loaded_weight: torch.Tensor) -> None:
+    """The `weight_loader` of a quantized ReplicatedLinear weight, in place of the layer's own (a copy_)."""
+    param.load_replicated_weight(loaded_weight)
+
+
 def _new_quantized_weight(layer: torch.nn.Module, rows: int, cols: int, dtype: torch.dtype, weight_loader,
                           mode: str, layout: str = "auto"):
     """Register layer.weight [rows, cols] (int8/fp8, zeros) and layer.weight_scale [rows] (fp32, ones); and, when
@@ -354,6 +366,12 @@ class FlashRLLinearMethod(LinearMethodBase):
         **extra_weight_attrs,
     ):
         weight_loader = extra_weight_attrs.pop("weight_loader")
+        if isinstance(layer, ReplicatedLinear):
+            if getattr(weight_loader, "__func__", None) is not ReplicatedLinear.weight_loader:
+                # a subclass's own loader: what it does to the tensor before its copy_ is unknown here
+                raise NotImplementedError(f"flashrl: cannot quantize {type(layer).__name__} {layer.prefix!r}: "
+                                          "it overrides ReplicatedLinear.weight_loader")
+            weight_loader = _replicated_weight_loader
         rows = sum(output_partition_sizes)
         weight = _new_quantized_weight(layer, rows, input_size_per_partition, self.config.weight_dtype, weight_loader,
                                        self.config.activation_quant, self.config.weight_layout)

@@ -321,8 +321,15 @@ def test_compile_fullgraph():
     torch.testing.assert_close(out, f(x, w))
 
 
+def _nonfinite(tensors):
+    """Indices of the tensors whose max |x|, as sync_weights' check reads it, is not finite (NaN or inf)."""
+    from flashrl_kernels.integrations.vllm.sync import abs_max_tensors
+
+    return [i for i, a in enumerate(abs_max_tensors(tensors)) if not a < float("inf")]
+
+
 def test_sync_finiteness_check_handles_overflowing_sums():
-    from flashrl_kernels.integrations.vllm.sync import nonfinite_tensors
+    from flashrl_kernels.integrations.vllm.sync import abs_max_tensors
 
     big = torch.full((4, 8), 3e38)  # finite, but its fp32 sum overflows to inf
     nan = torch.randn(3, 5).bfloat16()
@@ -330,15 +337,16 @@ def test_sync_finiteness_check_handles_overflowing_sums():
     inf = torch.randn(7, dtype=torch.float64)
     inf[0] = -float("inf")
     ok = torch.randn(6, 6).bfloat16()
-    assert nonfinite_tensors([ok, big, nan, ok, inf, -big]) == [2, 4]
+    assert _nonfinite([ok, big, nan, ok, inf, -big]) == [2, 4]
+    # max |x| exactly, in fp64: what the sync compares with the range of the dtype each tensor is stored in
+    assert abs_max_tensors([big, -big, ok, torch.tensor([-1e300, 2.0], dtype=torch.float64)]) == [
+        float(big[0, 0]), float(big[0, 0]), float(ok.abs().max()), 1e300]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_sync_finiteness_check_finds_every_bad_value_anywhere(dtype):
     """One NaN, +inf or -inf at a random position (vector body or tail) of tensors of odd sizes, beside finite
     tensors that reach the dtype's largest and smallest values, empty ones and non-contiguous views."""
-    from flashrl_kernels.integrations.vllm.sync import nonfinite_tensors
-
     g = torch.Generator().manual_seed(5)
     fin = torch.finfo(dtype)
     tensors, expect = [], []
@@ -356,7 +364,7 @@ def test_sync_finiteness_check_finds_every_bad_value_anywhere(dtype):
     bad_view[5, 7] = float("nan")
     tensors += [torch.empty(0, dtype=dtype), bad_view.t(), bad_view[2:9, 5:9:2]]
     expect += [len(tensors) - 2, len(tensors) - 1]
-    assert nonfinite_tensors(tensors) == expect
+    assert _nonfinite(tensors) == expect
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

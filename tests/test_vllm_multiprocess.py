@@ -70,7 +70,7 @@ def test_tp2_sync_equals_fresh_engine_on_every_rank(tp2):
 
 
 @pytest.mark.parametrize("case,match", [("wrong shape", "has shape"), ("unknown name", "unknown weight name"),
-                                        ("nan", "NaN")])
+                                        ("nan", "NaN"), ("fp64 beyond fp32", "beyond the largest finite float32")])
 def test_tp2_bad_sync_changes_no_rank(tp2, case, match):
     r = tp2["bad"][case]
     assert r["raised"] == "ValueError" and match in r["message"], r

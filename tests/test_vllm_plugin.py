@@ -423,6 +423,11 @@ def _bad_sets(sd):
     nan[3, 5] = float("nan")
     inf = sd[up].clone()
     inf[0, 0] = float("inf")
+    down, norm = "model.layers.1.mlp.down_proj.weight", "model.norm.weight"
+    big64 = sd[down].double()
+    big64[0, 0] = 1e300  # finite in fp64, inf in the fp32 the quantizer reads
+    big32 = sd[norm].float()
+    big32[0] = torch.finfo(torch.float32).max  # finite in fp32, inf in the bf16 norm
     return {
         # the bad tensor comes last: a sync that wrote before validating would have changed the engine
         "wrong shape": (good + [(up, sd[up][:, :-1])], ValueError, "has shape"),
@@ -431,10 +436,15 @@ def _bad_sets(sd):
         "inf": ([(n, t) for n, t in good if n != up] + [(up, inf)], ValueError, "NaN or"),
         "integer dtype": (good + [("model.norm.weight", sd["model.norm.weight"].to(torch.int32))], TypeError,
                           "floating point"),
+        "fp64 beyond fp32": ([(n, t) for n, t in good if n != down] + [(down, big64)], ValueError,
+                             f"{down}.*beyond the largest finite float32"),
+        "fp32 beyond bf16": ([(n, t) for n, t in good if n != norm] + [(norm, big32)], ValueError,
+                             f"{norm}.*beyond the largest finite bfloat16"),
     }
 
 
-@pytest.mark.parametrize("case", ["wrong shape", "unknown name", "nan", "inf", "integer dtype"])
+@pytest.mark.parametrize("case", ["wrong shape", "unknown name", "nan", "inf", "integer dtype", "fp64 beyond fp32",
+                                  "fp32 beyond bf16"])
 def test_failed_sync_changes_nothing(engines, ckpts, case):
     llm = engines("flashrl_int8")
     state0 = engine_state(llm)

@@ -35,10 +35,13 @@ def _bad_sets(sd):
     up = "model.layers.1.mlp.up_proj.weight"
     nan = sd[up].clone()
     nan[3, 5] = float("nan")
+    big64 = sd[up].double()
+    big64[0, 0] = 1e300  # finite in fp64 (the driver's check), inf in fp32 (each rank's range check)
     return {  # the bad tensor last: a sync that wrote before validating would change the engine
         "wrong shape": good + [(up, sd[up][:, :-1])],
         "unknown name": good + [("model.layers.7.mlp.up_proj.weight", sd[up])],
         "nan": [(n, t) for n, t in good if n != up] + [(up, nan)],
+        "fp64 beyond fp32": [(n, t) for n, t in good if n != up] + [(up, big64)],
     }
 
 

@@ -220,7 +220,8 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
         if src.stride(-1) != 1:
             src = src.contiguous()
         layer = self._layer()
-        # the sync validated finiteness up front; at start-up a non-finite checkpoint row gives scale NaN
+        # the sync validated the values (finite in fp32) up front; at start-up a non-finite checkpoint row gives
+        # scale NaN
         stats = _sync_stats
         if is_packed(layer):
             from flashrl_kernels.native.quantize import quantize_rows_packed_

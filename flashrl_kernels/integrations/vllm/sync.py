@@ -7,8 +7,11 @@ weights untouched:
      up_proj -> gate_up_proj; the second name of a tied embedding is mapped
      to the first) with the exact shape each expects;
   2. check every tensor: a torch.Tensor, a floating dtype, a known name, the
-     expected shape, no duplicates; then finiteness of all of them at once (one
-     read of each, one host sync; see _checks.nonfinite_tensors);
+     expected shape, no duplicates; then its values at once (one read of each,
+     one host sync; see abs_max_tensors): finite, and within the range of the
+     dtype the load converts them to (fp32 for the quantizer, the parameter's
+     dtype for the rest: 1e300 in fp64, or 3.4e38 in fp32 sent to a bf16 norm,
+     would load as inf);
   3. only then model.load_weights(...), vLLM's own loading path, whose
      parameter loaders (see quant.py) quantize linear weights (and, with
      quantize_lm_head, the LM head table) into their existing int8/fp8 storage
@@ -22,12 +25,12 @@ weights untouched:
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..._checks import nonfinite_tensors
 from . import SyncResult
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -37,6 +40,7 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 class _Target:
     shape: tuple[int, ...]  # shape the trainer tensor must have
     bytes: int  # bytes written into engine storage when it is loaded
+    dtype: torch.dtype  # what the load converts the tensor's values to (they must be finite in it)
     alias_of: str | None = None  # a tied embedding's second name: the name vLLM loads it under
 
 
@@ -45,6 +49,13 @@ _QUANT_METHODS = ("FlashRLLinearMethod", "FlashRLQuantizedEmbeddingMethod")
 
 def _is_quantized(module) -> bool:
     return type(getattr(module, "quant_method", None)).__name__ in _QUANT_METHODS
+
+
+def _stored_dtype(param: torch.Tensor, quantized: bool) -> torch.dtype:
+    """The dtype a tensor loaded into `param` is converted to: fp32 for a flashrl-quantized weight (the quantizer's
+    input: bf16 / fp16 / fp32 as sent, fp64 converted), else the parameter's own float dtype (another method's
+    int / fp8 storage is its loader's business: checked as fp32)."""
+    return param.dtype if not quantized and param.dtype in _FLOATS else torch.float32
 
 
 def _checkpoint_out_sizes(module) -> list[int]:
@@ -91,31 +102,36 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
                 local_sizes = [sum(local_sizes) * n // max(sum(out_sizes), 1) for n in out_sizes]
             # the fused name itself (e.g. a checkpoint that stores qkv_proj fused)
             full = (sum(out_sizes), module.input_size) if attr == "weight" else (sum(out_sizes),)
-            index[pname] = _Target(full, sum(local_sizes) * row_bytes)
+            dtype = _stored_dtype(param, quant)
+            index[pname] = _Target(full, sum(local_sizes) * row_bytes, dtype)
             leaf = mod_name.rpartition(".")[2]
             parts = packed.get(leaf)
             if parts and len(parts) == len(out_sizes):
                 base = mod_name[: len(mod_name) - len(leaf)]
                 for part, rows, local in zip(parts, out_sizes, local_sizes):
                     shp = (rows, module.input_size) if attr == "weight" else (rows,)
-                    index[f"{base}{part}.{attr}"] = _Target(shp, local * row_bytes)
+                    index[f"{base}{part}.{attr}"] = _Target(shp, local * row_bytes, dtype)
         elif isinstance(module, VocabParallelEmbedding) and attr == "weight":
             # the trainer sends the unpadded, unsharded vocabulary; the loader writes every row of this
             # rank's padded shard (padding rows as zeros), plus an fp32 scale per row when quantized
-            row_bytes = shape[1] * elt + ((4 + (4 if is_packed(module) else 0)) if _is_quantized(module) else 0)
+            quant = _is_quantized(module)
+            row_bytes = shape[1] * elt + ((4 + (4 if is_packed(module) else 0)) if quant else 0)
             first = canonical.setdefault(id(param), pname)
             # a tied alias (lm_head.weight of a model that ties it to embed_tokens.weight): vLLM's
             # loader skips that name, so it writes nothing (see prepare)
             index[pname] = _Target((module.org_vocab_size, shape[1]), 0 if first != pname else shape[0] * row_bytes,
-                                   alias_of=None if first == pname else first)
+                                   _stored_dtype(param, quant), alias_of=None if first == pname else first)
         else:
-            index[pname] = _Target(shape, param.numel() * elt)
+            index[pname] = _Target(shape, param.numel() * elt, _stored_dtype(param, False))
     return index
 
 
-def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], check_finite: bool = True):
+def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], absmax: list[float] | None = None):
     """Validate every tensor (raise ValueError/TypeError naming the first bad one), then return
     (bytes a load writes, the (name, tensor) list to hand to model.load_weights).
+
+    absmax: the tensors' finite_abs_max, when the caller already read them (the two-phase driver); else
+    read here.
 
     A tied embedding's second name (lm_head.weight when the model ties it to
     model.embed_tokens.weight) is accepted: vLLM's loader would skip that name,
@@ -136,8 +152,14 @@ def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], che
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice")
         seen.add(name)
-    if check_finite:
-        check_finite_tensors(tensors)
+    if absmax is None:
+        absmax = finite_abs_max(tensors)
+    for (name, _), amax in zip(tensors, absmax):
+        dtype = index[name].dtype
+        if amax > torch.finfo(dtype).max:
+            raise ValueError(f"tensor {name!r} holds a value of magnitude {amax:.4g}, beyond the largest finite "
+                             f"{str(dtype).removeprefix('torch.')} ({torch.finfo(dtype).max:.4g}) the engine "
+                             "converts it to: it would load as inf")
     load: list[tuple[str, torch.Tensor]] = []
     for name, t in tensors:
         alias_of = index[name].alias_of
@@ -154,12 +176,31 @@ def validate(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) ->
     return prepare(model, tensors)[0]
 
 
-def check_finite_tensors(tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise ValueError naming the first tensor that holds a NaN or +-inf."""
-    if tensors:
-        bad = [tensors[i][0] for i in nonfinite_tensors([t for _, t in tensors])]
-        if bad:
-            raise ValueError(f"tensor {bad[0]!r} contains NaN or +-inf ({len(bad)} bad tensor(s): {bad[:5]})")
+def abs_max_tensors(tensors: list[torch.Tensor]) -> list[float]:
+    """max |x| of every tensor (NaN when it holds a NaN, 0 when empty); one host sync per device.
+
+    torch.aminmax reads a tensor once in its own dtype with no temporary and propagates NaN (see
+    _checks.nonfinite_tensors); its two values in fp64 give max |x| exactly, to compare with any dtype's range.
+    """
+    out = [0.0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        ext = torch.stack([torch.stack(torch.aminmax(tensors[i].detach())).to(torch.float64) for i in idx])
+        for i, amax in zip(idx, ext.abs().amax(dim=1).cpu().tolist()):
+            out[i] = amax
+    return out
+
+
+def finite_abs_max(tensors: list[tuple[str, torch.Tensor]]) -> list[float]:
+    """abs_max_tensors of the (name, tensor) pairs; raise ValueError naming the first that holds a NaN or +-inf."""
+    absmax = abs_max_tensors([t for _, t in tensors])
+    bad = [name for (name, _), amax in zip(tensors, absmax) if not math.isfinite(amax)]
+    if bad:
+        raise ValueError(f"tensor {bad[0]!r} contains NaN or +-inf ({len(bad)} bad tensor(s): {bad[:5]})")
+    return absmax
 
 
 
@@ -227,9 +268,11 @@ def _two_phase(owner, tensors):
     (bytes written, tensors, codes changed, codes written, largest row-scale change)."""
     from .worker import stage_tensors
 
-    check_finite_tensors(tensors)  # once here: every rank would read the same values
+    # read once here (every rank would read the same values); each rank checks the ranges against its own model
+    absmax = finite_abs_max(tensors)
     # the staging file lives with the engine object (reused by its next sync, removed with it)
     handle, owner._flashrl_staging = stage_tensors(tensors, getattr(owner, "_flashrl_staging", None))
+    handle["absmax"] = absmax
     verdicts = yield "flashrl_sync_stage", (handle,)
     refused = [v for v in verdicts if v]
     if refused:
@@ -304,7 +347,8 @@ def sync_weights(llm, named_tensors) -> SyncResult:
     engine's device. A subset of the weights is fine (only those are written).
     Raises ValueError / TypeError naming the tensor (nothing written on any
     rank) on an unknown name, a wrong shape, a non-float dtype, a duplicate,
-    or NaN/inf anywhere.
+    NaN/inf anywhere, or a value beyond the range of the dtype it is stored in
+    or quantized from (fp32 for quantized weights, the model dtype for the rest).
 
     The in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, one rank: the
     colocated RL setup) calls straight into its worker with the tensors

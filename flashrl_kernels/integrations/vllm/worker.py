@@ -1,15 +1,16 @@
 """sync_weights into engines whose workers live in other processes (vLLM's default multi-process engine,
 tensor parallelism > 1): shared-memory staging and a two-phase commit over collective_rpc.
 
-The driver checks every tensor for NaN / inf (once: every rank would see the same values), copies them
-into one file in /dev/shm (64-byte aligned, CUDA tensors included: they are copied to the host; the file
-is kept and reused by the engine's next sync) and sends only a small handle (path, names, dtypes,
-shapes, offsets) through `collective_rpc`, a message vLLM's serializers carry without pickling code or
-data. Every worker maps the file (no copy: its tensors are views of the mapping, kept for the next sync)
+The driver checks every tensor for NaN / inf and takes its max |x| (once: every rank would see the same
+values), copies them into one file in /dev/shm (64-byte aligned, CUDA tensors included: they are copied to
+the host; the file is kept and reused by the engine's next sync) and sends only a small handle (path,
+names, dtypes, shapes, offsets, max |x|) through `collective_rpc`, a message vLLM's serializers carry
+without pickling code or data. Every worker maps the file (no copy: its tensors are views of the mapping, kept for the next sync)
 and then:
 
   1. `flashrl_sync_stage(handle)`: validates every tensor against its own model (names, full checkpoint
-     shapes, dtypes) and keeps the list; returns None, or [error type, message];
+     shapes, dtypes, each max |x| within the range of the dtype its model stores it in) and keeps the list;
+     returns None, or [error type, message];
   2. only when every rank returned None, `flashrl_sync_commit()` writes (each rank quantizes its shard);
      otherwise `flashrl_sync_abort()` drops the staged list and nothing is written anywhere.
 
@@ -115,7 +116,7 @@ def flashrl_sync_stage(self, handle: dict):
     self._flashrl_staged = None
     try:
         tensors = open_staged(handle)
-        nbytes, load = prepare(self.get_model(), tensors, check_finite=False)  # the driver checked that
+        nbytes, load = prepare(self.get_model(), tensors, absmax=handle["absmax"])  # the driver read the values
     except (TypeError, ValueError) as e:
         return [type(e).__name__, str(e)]
     self._flashrl_staged = (nbytes, load, len(tensors))

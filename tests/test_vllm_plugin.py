@@ -428,6 +428,9 @@ def _bad_sets(sd):
     big64[0, 0] = 1e300  # finite in fp64, inf in the fp32 the quantizer reads
     big32 = sd[norm].float()
     big32[0] = torch.finfo(torch.float32).max  # finite in fp32, inf in the bf16 norm
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    qkv = torch.cat([sd[f"{attn}{p}_proj.weight"] for p in "qkv"])
+    gate_up = torch.cat([sd[f"{mlp}gate_proj.weight"], sd[f"{mlp}up_proj.weight"]])
     return {
         # the bad tensor comes last: a sync that wrote before validating would have changed the engine
         "wrong shape": (good + [(up, sd[up][:, :-1])], ValueError, "has shape"),
@@ -440,11 +443,16 @@ def _bad_sets(sd):
                              f"{down}.*beyond the largest finite float32"),
         "fp32 beyond bf16": ([(n, t) for n, t in good if n != norm] + [(norm, big32)], ValueError,
                              f"{norm}.*beyond the largest finite bfloat16"),
+        # a fused name beside one of its parts: both would write the same rows
+        "qkv and q": (good + [(f"{attn}qkv_proj.weight", qkv)], ValueError,
+                      f"'{attn}[qkv]_proj.weight' and '{attn}qkv_proj.weight' both write rows"),
+        "gate_up and gate": (good + [(f"{mlp}gate_up_proj.weight", gate_up)], ValueError,
+                             f"'{mlp}gate_proj.weight' and '{mlp}gate_up_proj.weight' both write rows"),
     }
 
 
 @pytest.mark.parametrize("case", ["wrong shape", "unknown name", "nan", "inf", "integer dtype", "fp64 beyond fp32",
-                                  "fp32 beyond bf16"])
+                                  "fp32 beyond bf16", "qkv and q", "gate_up and gate"])
 def test_failed_sync_changes_nothing(engines, ckpts, case):
     llm = engines("flashrl_int8")
     state0 = engine_state(llm)

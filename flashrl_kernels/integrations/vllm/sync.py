@@ -7,11 +7,12 @@ weights untouched:
      up_proj -> gate_up_proj; the second name of a tied embedding is mapped
      to the first) with the exact shape each expects;
   2. check every tensor: a torch.Tensor, a floating dtype, a known name, the
-     expected shape, no duplicates; then its values at once (one read of each,
-     one host sync; see abs_max_tensors): finite, and within the range of the
-     dtype the load converts them to (fp32 for the quantizer, the parameter's
-     dtype for the rest: 1e300 in fp64, or 3.4e38 in fp32 sent to a bf16 norm,
-     would load as inf);
+     expected shape, no duplicates (nor a fused name with one of its parts);
+     then their values at once (one read of each, one host sync; see
+     abs_max_tensors): finite, and within the range of the dtype the load
+     converts them to (fp32 for the quantizer, the parameter's dtype for the
+     rest: 1e300 in fp64, or 3.4e38 in fp32 sent to a bf16 norm, would load
+     as inf);
   3. only then model.load_weights(...), vLLM's own loading path, whose
      parameter loaders (see quant.py) quantize linear weights (and, with
      quantize_lm_head, the LM head table) into their existing int8/fp8 storage
@@ -42,6 +43,7 @@ class _Target:
     bytes: int  # bytes written into engine storage when it is loaded
     dtype: torch.dtype  # what the load converts the tensor's values to (they must be finite in it)
     alias_of: str | None = None  # a tied embedding's second name: the name vLLM loads it under
+    rows: tuple[str, int, int] | None = None  # a fused linear's name or part: (parameter, first row, end row)
 
 
 _QUANT_METHODS = ("FlashRLLinearMethod", "FlashRLQuantizedEmbeddingMethod")
@@ -103,14 +105,17 @@ def loadable_index(model: torch.nn.Module) -> dict[str, _Target]:
             # the fused name itself (e.g. a checkpoint that stores qkv_proj fused)
             full = (sum(out_sizes), module.input_size) if attr == "weight" else (sum(out_sizes),)
             dtype = _stored_dtype(param, quant)
-            index[pname] = _Target(full, sum(local_sizes) * row_bytes, dtype)
+            index[pname] = _Target(full, sum(local_sizes) * row_bytes, dtype, rows=(pname, 0, full[0]))
             leaf = mod_name.rpartition(".")[2]
             parts = packed.get(leaf)
             if parts and len(parts) == len(out_sizes):
                 base = mod_name[: len(mod_name) - len(leaf)]
+                start = 0
                 for part, rows, local in zip(parts, out_sizes, local_sizes):
                     shp = (rows, module.input_size) if attr == "weight" else (rows,)
-                    index[f"{base}{part}.{attr}"] = _Target(shp, local * row_bytes, dtype)
+                    index[f"{base}{part}.{attr}"] = _Target(shp, local * row_bytes, dtype,
+                                                            rows=(pname, start, start + rows))
+                    start += rows
         elif isinstance(module, VocabParallelEmbedding) and attr == "weight":
             # the trainer sends the unpadded, unsharded vocabulary; the loader writes every row of this
             # rank's padded shard (padding rows as zeros), plus an fp32 scale per row when quantized
@@ -140,6 +145,7 @@ def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], abs
     """
     index = loadable_index(model)
     seen: set[str] = set()
+    written: dict[str, list[tuple[int, int, str]]] = {}  # fused parameter -> (first row, end row, name) sent
     _check_pairs(tensors)
     for name, t in tensors:
         target = index.get(name)
@@ -152,6 +158,13 @@ def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], abs
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice")
         seen.add(name)
+        if target.rows is not None:  # a fused name and one of its parts: both would write the same rows
+            param, lo, hi = target.rows
+            for a, b, other in written.get(param, ()):
+                if lo < b and a < hi:
+                    raise ValueError(f"tensors {other!r} and {name!r} both write rows of {param!r}: send the fused "
+                                     "tensor or its parts, not both")
+            written.setdefault(param, []).append((lo, hi, name))
     if absmax is None:
         absmax = finite_abs_max(tensors)
     for (name, _), amax in zip(tensors, absmax):
@@ -346,7 +359,8 @@ def sync_weights(llm, named_tensors) -> SyncResult:
     model.state_dict().items(); bf16/fp16/fp32 tensors, on the CPU or the
     engine's device. A subset of the weights is fine (only those are written).
     Raises ValueError / TypeError naming the tensor (nothing written on any
-    rank) on an unknown name, a wrong shape, a non-float dtype, a duplicate,
+    rank) on an unknown name, a wrong shape, a non-float dtype, a duplicate
+    (or a fused name, e.g. qkv_proj, sent with one of its parts),
     NaN/inf anywhere, or a value beyond the range of the dtype it is stored in
     or quantized from (fp32 for quantized weights, the model dtype for the rest).
 

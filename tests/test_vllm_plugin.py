@@ -464,6 +464,18 @@ def test_failed_sync_changes_nothing(engines, ckpts, case):
     assert generate(llm) == out0
 
 
+def test_unknown_name_suggests_the_closest_full_names(engines, ckpts):
+    """A name missing its `model.` prefix, with a wrapper's extra prefix, or misspelt: the error's first suggestion
+    is the weight meant (not any name that merely ends in `.weight`)."""
+    llm = engines("flashrl_int8")
+    meant = "model.layers.0.self_attn.q_proj.weight"
+    t = state_dict_of(ckpts["base"])[meant]
+    for sent in ("layers.0.self_attn.q_proj.weight", "module." + meant, "model.layers.0.self_attn.q_prj.weight"):
+        with pytest.raises(ValueError, match="unknown weight name") as err:
+            sync_weights(llm, [(sent, t)])
+        assert f"closest known names: [{meant!r}" in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["int8", "int8-tied-lm_head"])
 def test_vllm_reload_path_works_with_the_plugin(engines, ckpts, tied):
     """vLLM's own in-place reload (layerwise, via meta tensors) drives our loaders too, to the same state

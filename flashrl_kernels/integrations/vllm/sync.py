@@ -26,6 +26,7 @@ weights untouched:
 """
 from __future__ import annotations
 
+import difflib
 import math
 import time
 from dataclasses import dataclass
@@ -150,9 +151,11 @@ def prepare(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], abs
     for name, t in tensors:
         target = index.get(name)
         if target is None:
-            close = sorted(k for k in index if k.rpartition(".")[2] == name.rpartition(".")[2])[:3]
+            # a missing or extra prefix (`model.`, a wrapper's `module.`), else the most similar full names
+            close = sorted(k for k in index if k.endswith("." + name) or name.endswith("." + k))[:3] \
+                or difflib.get_close_matches(name, list(index), n=3)
             raise ValueError(f"unknown weight name {name!r}: the engine's model has no such weight"
-                             + (f" (names look like {close})" if close else ""))
+                             + (f" (closest known names: {close})" if close else ""))
         if tuple(t.shape) != target.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the engine expects {target.shape}")
         if name in seen:

@@ -29,7 +29,9 @@ class SyncResult(NamedTuple):
     # below half a quantization step changes no code: the rollout policy then lags the trainer's.
     codes_changed: int = 0  # int8 / fp8 codes whose value this sync changed
     codes_total: int = 0  # int8 / fp8 codes this sync wrote
-    max_scale_change: float = 0.0  # largest relative change of a row scale, |s_new - s_old| / s_old
+    # largest relative change of a row scale, |s_new - s_old| / s_old; a zero row has scale 1, so a row that becomes
+    # zero gives 1 / s_old - 1 (see docs/quantized_rollout.md)
+    max_scale_change: float = 0.0
 
     @property
     def changed_share(self) -> float | None:

@@ -216,7 +216,9 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
         if src.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             src = src.float()
         if src.device != q.device:
-            src = src.to(q.device, non_blocking=True)
+            # non_blocking only towards a GPU (the quantizer runs on its stream after the copy); a GPU -> CPU copy
+            # must have landed before the CPU quantizer reads it
+            src = src.to(q.device, non_blocking=q.device.type != "cpu")
         if src.stride(-1) != 1:
             src = src.contiguous()
         layer = self._layer()

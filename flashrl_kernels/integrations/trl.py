@@ -137,6 +137,10 @@ def _logprob_unsupported(hidden, weight, bias, targets, temperature, softcap, lo
         return f"device {hidden.device.type} has no flashrl_kernels backend"
     if type(weight) is not torch.Tensor and not isinstance(weight, torch.nn.Parameter):
         return f"lm_head weight of type {type(weight).__name__}"
+    if getattr(weight, "ds_id", None) is not None:
+        # DeepSpeed ZeRO-3 re-partitions the gathered weight when TRL's gather context exits: a backward (or the
+        # fused loss, which runs after the forward) would see an empty tensor; TRL's own head gathers it again
+        return "a DeepSpeed ZeRO-3 partitioned lm_head weight"
     if hidden.dim() != 2 or hidden.shape[0] == 0:
         return "an empty batch (no labelled position)"
     if not isinstance(temperature, (int, float)) or not temperature > 0:

@@ -464,6 +464,37 @@ def test_failed_sync_changes_nothing(engines, ckpts, case):
     assert generate(llm) == out0
 
 
+def test_async_syncs_of_one_engine_run_one_at_a_time():
+    """Two sync_weights_async calls in flight on one AsyncLLM would share its staging file: the second must not
+    stage before the first has committed (a fake engine records the order of the collective calls)."""
+    import asyncio
+
+    from flashrl_kernels.integrations.vllm import sync_weights_async
+
+    class FakeAsyncEngine:
+        def __init__(self):
+            self.calls = []
+
+        async def collective_rpc(self, method, args=()):
+            self.calls.append(method)
+            await asyncio.sleep(0.01)  # the workers' time: lets the other coroutine run
+            return [None] if method == "flashrl_sync_stage" else [[8, 1, 0, 2, 0.0]]
+
+        async def reset_prefix_cache(self):
+            pass
+
+    engine = FakeAsyncEngine()
+
+    async def both():
+        t = {"w": torch.randn(2, 3)}
+        return await asyncio.gather(sync_weights_async(engine, t), sync_weights_async(engine, t))
+
+    results = asyncio.run(both())
+    assert engine.calls == ["flashrl_sync_stage", "flashrl_sync_commit"] * 2
+    assert [r.bytes_written for r in results] == [8, 8]
+    engine._flashrl_staging.close()
+
+
 def test_unknown_name_suggests_the_closest_full_names(engines, ckpts):
     """A name missing its `model.` prefix, with a wrapper's extra prefix, or misspelt: the error's first suggestion
     is the weight meant (not any name that merely ends in `.weight`)."""

@@ -26,6 +26,7 @@ weights untouched:
 """
 from __future__ import annotations
 
+import asyncio
 import difflib
 import math
 import time
@@ -327,17 +328,23 @@ async def sync_weights_async(engine, named_tensors) -> SyncResult:
     t0 = time.perf_counter()
     tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
     _check_pairs(tensors)
-    protocol, reply = _two_phase(engine, tensors), None
-    try:
-        while True:
-            method, args = protocol.send(reply)
-            try:
-                reply = await engine.collective_rpc(method, args=args)
-            except NotImplementedError as e:
-                raise RuntimeError(_NO_WORKER_METHODS) from e
-    except StopIteration as done:
-        nbytes, n, changed, total, scale = done.value
-    await engine.reset_prefix_cache()
+    # one sync at a time per engine: two in flight would share its staging file (the second staging while the
+    # workers still read the first's tensors)
+    lock = getattr(engine, "_flashrl_sync_lock", None)
+    if lock is None:
+        lock = engine._flashrl_sync_lock = asyncio.Lock()
+    async with lock:
+        protocol, reply = _two_phase(engine, tensors), None
+        try:
+            while True:
+                method, args = protocol.send(reply)
+                try:
+                    reply = await engine.collective_rpc(method, args=args)
+                except NotImplementedError as e:
+                    raise RuntimeError(_NO_WORKER_METHODS) from e
+        except StopIteration as done:
+            nbytes, n, changed, total, scale = done.value
+        await engine.reset_prefix_cache()
     return SyncResult(nbytes, time.perf_counter() - t0, n, changed, total, scale)
 
 

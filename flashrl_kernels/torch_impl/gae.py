@@ -36,7 +36,8 @@ the advantage / returns scans in float64 (`scan_dtype`; fp32 on MPS), with
 gamma and the float64 lambdas unrounded. fp32 was fine at gamma = lam = 1
 (2e-7 of max |A| at T = 32768), but an fp32 gamma * lam = 0.999 is 1.3e-8
 off and its powers over a 1000-token horizon put the returns ~1e-5 (relative)
-off the spec; in float64 they are within fp32 rounding of it. Whitening statistics are summed in float64
+off the spec; in float64 they are within fp32 rounding of it (about 2x the
+fp32 time on a CPU: docs/gae.md). Whitening statistics are summed in float64
 (float32 on MPS, which has none). Large temporaries are few and reused in
 place: on CPU each fresh 16 MB buffer costs page faults (docs/gae.md).
 """

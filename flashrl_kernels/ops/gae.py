@@ -49,6 +49,7 @@ from .._checks import (
     sequence_layout,
     value_checks_enabled,
 )
+from ..torch_impl.gae import wide_dtype
 
 
 class GAEOutput(NamedTuple):
@@ -94,12 +95,7 @@ def _lam_arg(name: str, x, nseq: int, device) -> Tensor | float | None:
                          f"got shape {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device} but rewards is on {device}")
-    return x.detach().to(lam_dtype(device)).contiguous()
-
-
-def lam_dtype(device) -> torch.dtype:
-    """dtype of the canonical lam / critic_lam [S]: float64, float32 on MPS (no float64 there)."""
-    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+    return x.detach().to(wide_dtype(device)).contiguous()
 
 
 def _canonical(rewards, values, mask, cu_seqlens):
@@ -139,8 +135,8 @@ def valid_lengths(mask: Tensor | None, cu: Tensor, uniform_len: int) -> Tensor:
 
 def adaptive_lambda(lengths: Tensor, lam_alpha: float) -> Tensor:
     """VAPO's length-adaptive lambda 1 - 1 / (lam_alpha * l), clamped to [0, 1] (l = 0 gives 0), [S] in
-    `lam_dtype`."""
-    wide = lam_dtype(lengths.device)
+    `wide_dtype`."""
+    wide = wide_dtype(lengths.device)
     lam = 1.0 - 1.0 / (lam_alpha * lengths.to(wide))
     return lam.clamp(0.0, 1.0)
 
@@ -234,13 +230,13 @@ def gae(
     elif isinstance(lam_v, Tensor):
         lam_t = lam_v
     else:
-        lam_t = torch.full((nseq,), lam_v, dtype=lam_dtype(dev), device=dev)
+        lam_t = torch.full((nseq,), lam_v, dtype=wide_dtype(dev), device=dev)
     if critic_v is None:
         critic_t = lam_t  # the same tensor: backends may run one recurrence
     elif isinstance(critic_v, Tensor):
         critic_t = critic_v
     else:
-        critic_t = torch.full((nseq,), critic_v, dtype=lam_dtype(dev), device=dev)
+        critic_t = torch.full((nseq,), critic_v, dtype=wide_dtype(dev), device=dev)
     adv, ret, stats = torch.ops.flashrl.gae(r, v, m, cu, lam_t, critic_t, g, whiten, int(uniform_len))
     if checks and whiten:
         count = float(stats[0])  # one host sync, after the op

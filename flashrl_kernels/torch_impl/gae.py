@@ -32,7 +32,7 @@ are flushed to 0 (their contribution is below 2^-62 of a carried value,
 far under fp32 resolution).
 
 Accumulation: the next-value scan in fp32 (exact: a is 0 or 1), delta and
-the advantage / returns scans in float64 (`scan_dtype`; fp32 on MPS), with
+the advantage / returns scans in float64 (`wide_dtype`; fp32 on MPS), with
 gamma and the float64 lambdas unrounded. fp32 was fine at gamma = lam = 1
 (2e-7 of max |A| at T = 32768), but an fp32 gamma * lam = 0.999 is 1.3e-8
 off and its powers over a 1000-token horizon put the returns ~1e-5 (relative)
@@ -50,8 +50,9 @@ TINY = 2.0 ** -62  # products of a below this become 0: no subnormal arithmetic
 WHITEN_EPS = 1e-8
 
 
-def scan_dtype(device) -> torch.dtype:
-    """dtype of delta and the advantage / returns scans: float64, float32 on MPS (no float64 there)."""
+def wide_dtype(device) -> torch.dtype:
+    """float64, float32 on MPS (no float64 there): the canonical lam / critic_lam [S] (ops/gae.py), and delta and
+    the advantage / returns scans here."""
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
@@ -150,7 +151,7 @@ def gae_forward(rewards, values, mask, cu_seqlens, lam, critic_lam, gamma, white
     nseq = cu_seqlens.numel() - 1
     dev = rewards.device
     f32 = torch.float32
-    acc = scan_dtype(dev)
+    acc = wide_dtype(dev)
     if n == 0:
         stats = torch.tensor([0.0, float("nan"), float("nan")] if whiten else [], dtype=f32, device=dev)
         return torch.zeros(0, dtype=f32, device=dev), torch.zeros(0, dtype=f32, device=dev), stats

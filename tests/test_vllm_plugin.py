@@ -495,6 +495,51 @@ def test_async_syncs_of_one_engine_run_one_at_a_time():
     engine._flashrl_staging.close()
 
 
+def test_sync_statistics_of_two_engines_synced_at_once_stay_apart(engines, ckpts):
+    """Two in-process engines synced from two threads with their loads interleaved (A's first half, B's first
+    half, A's rest, B's rest): each sync counts its own codes (a process-wide record mixed them: A's rest
+    was counted into B's sync and B's rest into none)."""
+    import threading
+
+    from flashrl_kernels.integrations.vllm.sync import _write_quantized
+
+    tensors = list(state_dict_of(ckpts["perturbed"]).items())
+    half = len(tensors) // 2
+    a_half, b_half, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def load_a():
+        yield from tensors[:half]
+        a_half.set()
+        assert b_half.wait(60)
+        yield from tensors[half:]
+
+    def load_b():
+        assert a_half.wait(60)
+        yield from tensors[:half]
+        b_half.set()
+        assert a_done.wait(60)
+        yield from tensors[half:]
+
+    results = {}
+
+    def sync(name, llm, load):
+        try:
+            results[name] = llm.apply_model(lambda model: _write_quantized(model, load()))[0]
+        finally:
+            if name == "a":
+                a_done.set()
+
+    threads = [threading.Thread(target=sync, args=(n, engines("flashrl_int8", "base", tag=f"stats-{n}"), f))
+               for n, f in (("a", load_a), ("b", load_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    alone = engines("flashrl_int8", "base", tag="stats-alone").apply_model(
+        lambda model: _write_quantized(model, tensors))[0]
+    assert results["a"] == results["b"] == alone and alone[0] > 0
+
+
 def test_unknown_name_suggests_the_closest_full_names(engines, ckpts):
     """A name missing its `model.` prefix, with a wrapper's extra prefix, or misspelt: the error's first suggestion
     is the weight meant (not any name that merely ends in `.weight`)."""

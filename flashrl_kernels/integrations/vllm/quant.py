@@ -44,6 +44,7 @@ load_row_parallel_weight); vocab-parallel tables quantize their row shard.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import weakref
@@ -171,19 +172,20 @@ class SyncStats:
         return float(torch.stack([t.float().cpu() for t in self.rel_scale_changes]).max())
 
 
-_sync_stats: SyncStats | None = None
+# per thread (and asyncio task): two in-process engines synced from two threads at once keep separate counts
+_sync_stats: contextvars.ContextVar[SyncStats | None] = contextvars.ContextVar("flashrl_sync_stats", default=None)
 
 
 @contextlib.contextmanager
 def collect_sync_stats():
     """Within the block, every quantizing loader also counts the codes it changes and the row scales' largest
     relative change; yields the SyncStats. Outside it (engine start-up) loaders do only the write."""
-    global _sync_stats
-    prev, _sync_stats = _sync_stats, SyncStats()
+    stats = SyncStats()
+    token = _sync_stats.set(stats)
     try:
-        yield _sync_stats
+        yield stats
     finally:
-        _sync_stats = prev
+        _sync_stats.reset(token)
 
 
 class FlashRLQuantizedWeight(ModelWeightParameter):
@@ -224,7 +226,7 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
         layer = self._layer()
         # the sync validated the values (finite in fp32) up front; at start-up a non-finite checkpoint row gives
         # scale NaN
-        stats = _sync_stats
+        stats = _sync_stats.get()
         if is_packed(layer):
             from flashrl_kernels.native.quantize import quantize_rows_packed_
 
@@ -300,8 +302,9 @@ class FlashRLQuantizedWeight(ModelWeightParameter):
             else:
                 pad.zero_()
                 layer.weight_scale.narrow(0, n, pad.shape[0]).fill_(1.0)
-            if _sync_stats is not None:  # written too, never changed: zeros since the first load
-                _sync_stats.codes_total += pad.numel()
+            stats = _sync_stats.get()
+            if stats is not None:  # written too, never changed: zeros since the first load
+                stats.codes_total += pad.numel()
 
     def load_row_parallel_weight(self, loaded_weight: torch.Tensor):
         """This rank's input columns of every row, quantized with a scale of their own (shard-local).

@@ -229,3 +229,27 @@ def test_verl_plugin_entry_point_patches_only_when_asked(env, expected):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == expected, r.stdout + r.stderr[-2000:]
+
+
+_UNPATCH_CHECK = (
+    "import sys\n"
+    "import verl\n"
+    "from flashrl_kernels.integrations import verl as adapter\n"
+    "adapter.patch()\n"
+    "adapter.unpatch()\n"
+    "from verl.utils import torch_functional as verl_F\n"
+    "left = [m for m in adapter._LOGPROB_MODULES if m in sys.modules\n"
+    "        and sys.modules[m].logprobs_from_logits is not verl_F.logprobs_from_logits]\n"
+    "assert verl_F.logprobs_from_logits is not adapter.logprobs_from_logits\n"
+    "print(left)\n"
+)
+
+
+@pytest.mark.parametrize("env", ["", "verl"])
+def test_unpatch_restores_modules_first_imported_by_patch(env):
+    """patch() imports verl's engine modules itself (at `import verl` under FLASHRL_PATCH, nothing has imported them
+    yet); each must get verl's logprobs_from_logits back from unpatch(), not the flashrl one it bound at import."""
+    r = subprocess.run([sys.executable, "-c", _UNPATCH_CHECK], check=False, env={**os.environ, "FLASHRL_PATCH": env},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr[-2000:]

@@ -243,14 +243,19 @@ class FusedLinearForPPO(torch.nn.Module):
 
 # ---------------------------------------------------------------------------------------------- patch
 
-def _set(module_name: str, attr: str, value) -> None:
+def _module(module_name: str):
     module = sys.modules.get(module_name)
     if module is None:
         try:
             module = importlib.import_module(module_name)
         except Exception:
-            return  # an optional verl backend whose own dependencies are missing: nothing to patch there
-    if not hasattr(module, attr):
+            return None  # an optional verl backend whose own dependencies are missing: nothing to patch there
+    return module
+
+
+def _set(module_name: str, attr: str, value) -> None:
+    module = _module(module_name)
+    if module is None or not hasattr(module, attr):
         return
     _originals.setdefault((module_name, attr), getattr(module, attr))
     setattr(module, attr, value)
@@ -278,6 +283,10 @@ def _patch() -> None:
             raise RuntimeError(f"verl already has a policy loss named {name!r}; not overriding it")
     core_algos.register_policy_loss("flashrl")(flashrl_policy_loss)
     core_algos.register_policy_loss("flashrl_gspo")(flashrl_gspo_loss)
+    # import them all before replacing anything: a module first imported after verl.utils.torch_functional is
+    # patched binds our function by name, which unpatch() would then "restore"
+    for module_name in _LOGPROB_MODULES:
+        _module(module_name)
     for module_name in _LOGPROB_MODULES:
         _set(module_name, "logprobs_from_logits", logprobs_from_logits)
     # looked up on verl.utils.torch_functional at call time, or bound at FSDPEngine.__init__ (patch before

@@ -253,3 +253,24 @@ def test_unpatch_restores_modules_first_imported_by_patch(env):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr[-2000:]
+
+
+def test_unpatch_restores_what_the_last_patch_replaced():
+    """What verl holds at patch() time is what unpatch() gives back, also on a second patch / unpatch cycle
+    (another library may have replaced a function while flashrl was unpatched)."""
+    fk.patch("verl")
+    fk.unpatch("verl")
+    verls = verl_F.entropy_from_logits
+
+    def other(logits):  # another library's replacement, installed while flashrl is unpatched
+        return verls(logits)
+
+    verl_F.entropy_from_logits = other
+    try:
+        fk.patch("verl")
+        assert verl_F.entropy_from_logits is adapter.entropy_from_logits
+        fk.unpatch("verl")
+        assert verl_F.entropy_from_logits is other
+    finally:
+        fk.unpatch("verl")
+        verl_F.entropy_from_logits = verls

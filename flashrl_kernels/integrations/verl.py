@@ -312,6 +312,7 @@ def unpatch() -> None:
         module = sys.modules.get(module_name)
         if module is not None:
             setattr(module, attr, original)
+    _originals.clear()  # the next patch() records what verl holds then
     _patched = False
 
 

@@ -274,3 +274,19 @@ def test_unpatch_restores_what_the_last_patch_replaced():
     finally:
         fk.unpatch("verl")
         verl_F.entropy_from_logits = verls
+
+
+@pytest.mark.parametrize("loss", ["vanilla", "gspo"])
+def test_default_loss_agg_mode_is_verls(patched, loss):
+    """Called without loss_agg_mode (verl's ppo_loss always passes the actor's, token-mean by default), each flashrl
+    loss aggregates as verl's function of the same name does by its own default (gspo: seq-mean-token-mean)."""
+    old, new, adv, mask = batch(11)
+    cfg = actor_config()
+    ours = core_algos.get_policy_loss_fn({"vanilla": "flashrl", "gspo": "flashrl_gspo"}[loss])
+    ref = {"vanilla": core_algos.compute_policy_loss_vanilla, "gspo": core_algos.compute_policy_loss_gspo}[loss]
+    outs = []
+    for fn in (ours, ref):
+        lp = new.clone().requires_grad_(True)
+        value, _ = fn(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, config=cfg)
+        outs.append((value.detach(), torch.autograd.grad(value, lp)[0] * mask))
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-5, atol=1e-6)

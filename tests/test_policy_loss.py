@@ -8,6 +8,7 @@ from _policy_loss_util import assert_close_masked, loss_backends, make_inputs, r
 
 import flashrl_kernels as fk
 from flashrl_kernels.loss_config import LOSS_AGG_MODES, METRIC_NAMES, TIS_MODES
+from flashrl_kernels.reference.policy_loss import policy_loss_spec
 
 BACKENDS = loss_backends("cpu")  # reference, torch, triton (interpreter) on this machine
 FAST = [b for b in BACKENDS if b != "reference"]
@@ -176,6 +177,29 @@ def test_zero_length_sequences_packed(backend):
     cfg = fk.LossConfig(importance_sampling_level="sequence", loss_agg_mode="seq-mean-token-mean")
     loss = _check_against_spec(packed, cfg, backend, keys=())
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("backend", FAST)
+def test_packed_advantages_when_sequences_equal_tokens(backend):
+    """A packed batch with as many sequences as tokens (some empty, some longer): a [total_tokens] vector is read
+    per token (it has logp's shape), [S, 1] per sequence; both against the spec, and [S, 1] equal to its
+    per-token expansion. (AReaL's packed GSPO passed [S] there and got 0.0772 for a loss of -0.3893.)"""
+    cu = torch.tensor([0, 2, 2, 3])
+    g = torch.Generator().manual_seed(3)
+    lp, old, seq_adv = (torch.randn(3, generator=g) for _ in range(3))
+    tok_adv = torch.randn(3, generator=g)
+    for cfg in (fk.LossConfig(importance_sampling_level="sequence"), fk.LossConfig(eps_high=0.28)):
+        with fk.use_backend(backend):
+            per_seq = fk.policy_loss(lp, old, seq_adv[:, None], cu_seqlens=cu, config=cfg).loss
+            expanded = fk.policy_loss(lp, old, seq_adv.repeat_interleave(cu.diff()), cu_seqlens=cu, config=cfg).loss
+            per_tok = fk.policy_loss(lp, old, tok_adv, cu_seqlens=cu, config=cfg).loss
+        want_seq, _ = policy_loss_spec(lp.double(), old.double(), seq_adv[:, None].double(), cu_seqlens=cu, config=cfg)
+        want_tok, _ = policy_loss_spec(lp.double(), old.double(), tok_adv.double(), cu_seqlens=cu, config=cfg)
+        torch.testing.assert_close(per_seq.double(), want_seq, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(per_tok.double(), want_tok, atol=1e-6, rtol=1e-5)
+        assert torch.equal(per_seq, expanded) and not torch.isclose(want_seq, want_tok)
+    with pytest.raises(ValueError, match=r"\[num_seqs, 1\]"):
+        fk.policy_loss(lp, old, torch.randn(2, 2), cu_seqlens=cu)
 
 
 @pytest.mark.parametrize("backend", FAST)

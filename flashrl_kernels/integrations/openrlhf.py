@@ -624,10 +624,17 @@ def ray_worker_setup() -> None:
 
 
 def ray_runtime_env(runtime_env: dict | None = None) -> dict:
-    """`runtime_env` (a dict, not modified) with flashrl's worker setup hook added."""
+    """`runtime_env` (a dict, not modified) with flashrl's worker setup hook added, and this process's FLASHRL_*
+    variables (FLASHRL_PATCH, FLASHRL_BACKEND, FLASHRL_OPENRLHF_FUSED_HEAD, ...) in its env_vars unless the caller
+    set them there: workers of a cluster started with `ray start` do not inherit the driver's environment."""
     env = dict(runtime_env or {})
     env["env_vars"] = dict(env.get("env_vars") or {})  # Ray writes the hook into env_vars: never the caller's dict
+    for name, value in os.environ.items():
+        if name.startswith("FLASHRL_"):
+            env["env_vars"].setdefault(name, value)
     hook = env.get("worker_process_setup_hook")
+    if hook is ray_worker_setup:
+        hook = RAY_SETUP_HOOK  # the same hook, by its importable name
     if hook not in (None, RAY_SETUP_HOOK):
         raise ValueError(f"runtime_env already has worker_process_setup_hook={hook!r}; Ray takes one hook: call "
                          f"{RAY_SETUP_HOOK}() from it instead")

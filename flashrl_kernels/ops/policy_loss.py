@@ -177,12 +177,19 @@ def _canonical(logp, old_logp, advantages, mask, cu_seqlens, rollout_logp, ref_l
             raise ValueError(f"advantages must have shape [B] = ({b},), [B, 1] or [B, T] = {shape}, got {adv_shape}")
     else:
         nseq = cu.numel() - 1
-        if advantages.dim() != 1 or advantages.numel() not in (nseq, shape[0]):
+        # [total_tokens] (logp's shape) is per token, [S, 1] per sequence, [S] per sequence unless S equals
+        # total_tokens (then it has logp's shape and is read per token: pass [S, 1])
+        if adv_shape == (nseq, 1):
+            adv = advantages.reshape(nseq)
+            if nseq == shape[0]:  # the backends read a [total_tokens] vector per token: expand it
+                adv = adv.repeat_interleave(cu.diff(), output_size=nseq)
+        elif advantages.dim() == 1 and advantages.numel() in (nseq, shape[0]):
+            adv = advantages
+        else:
             raise ValueError(
-                f"advantages must have shape [num_seqs] = ({nseq},) or [total_tokens] = ({shape[0]},) for packed "
-                f"inputs, got {adv_shape}"
+                f"advantages must have shape [num_seqs] = ({nseq},), [num_seqs, 1] or [total_tokens] = ({shape[0]},) "
+                f"for packed inputs, got {adv_shape}"
             )
-        adv = advantages
     if mask is not None and mask.dtype != torch.bool:
         mask = mask != 0
 
@@ -269,7 +276,7 @@ def policy_loss(
 
     Inputs are padded [B, T] (with an optional mask, True/nonzero = token counts) or packed
     [total_tokens] with cu_seqlens [S + 1] (int32/int64, starting at 0, non-decreasing; a mask
-    [total_tokens] may be given too). advantages: per sequence ([B], [B, 1] / [S]) or per token.
+    [total_tokens] may be given too). advantages: per sequence ([B], [B, 1] / [S], [S, 1]) or per token (logp's shape).
     normalizer (float or 0-d tensor) overrides config.normalizer and the mode's divisor for this call.
     positive: one flag per sequence ([B] / [B, 1] padded, [S] packed; bool or numbers, nonzero = the
     response was rewarded positively) for VAPO's NLL term, config.nll_coef; it also fills the

@@ -41,7 +41,8 @@ def _advantages(advantages, mask, cu_seqlens, nseq, ntok_shape):
             adv = adv[:, 0]
         if adv.dim() == 1:  # one advantage per sequence
             adv = adv[:, None].expand(ntok_shape)
-    elif adv.numel() == nseq and adv.numel() != ntok_shape[0]:
+    elif (adv.dim() == 2 and adv.shape == (nseq, 1)) or (adv.numel() == nseq and adv.numel() != ntok_shape[0]):
+        adv = adv.reshape(nseq)  # per sequence: [S, 1], or [S] where S differs from the token count
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         adv = torch.repeat_interleave(adv, lengths)
     return _split(adv, mask, cu_seqlens, nseq)

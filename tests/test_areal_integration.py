@@ -240,6 +240,26 @@ def test_actor_loss_all_masked_and_unpacked(patched):
     assert float(l1) != 0.0  # the last round had valid tokens
 
 
+@pytest.mark.parametrize("rs", ["none", "seq-clamp-ratio-mean"])
+def test_actor_loss_packed_gspo_with_as_many_sequences_as_tokens(patched, rs):
+    """A packed batch whose sequence count equals its token count (an empty sequence beside a two-token one):
+    GSPO's per-sequence advantages must not be read as per-token ones."""
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 2, 2, 3], dtype=torch.int32)  # 3 sequences, 3 tokens
+    prox = -torch.rand(3, generator=g) - 0.1
+    behav = prox + 0.3 * torch.randn(3, generator=g)
+    lp = prox + 0.2 * torch.randn(3, generator=g)
+    adv = torch.tensor([1.0, 2.0, -1.5])
+    mask = torch.ones(3, dtype=torch.bool)
+    kw = {"eps_clip": 0.2, "importance_sampling_level": "sequence",
+          "rejection_sampling": RS_CASES[rs] and rs_config(**RS_CASES[rs])}
+    l1, g1, s1 = run_actor(areal_F.ppo_actor_loss_fn, lp, prox, behav, adv, mask, cu, **kw)
+    l0, g0, s0 = run_actor(AREAL["ppo_actor_loss_fn"], lp, prox, behav, adv, mask, cu, **kw)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-8)
+    assert_same_stats(s1, s0)
+
+
 def test_actor_loss_errors_match_areal(patched):
     lp, prox, behav, adv, mask, cu = actor_batch(6, "packed")
     seq_rs = rs_config(level="sequence", action="mask", metric="ratio", upper=2.0)

@@ -349,8 +349,8 @@ def ppo_actor_loss_fn(logprobs, proximal_logprobs, old_logprobs, advantages, eps
     if tis is None:  # the weight computed above, folded into the advantages: w * L(A) = L(w * A) for w >= 0
         tis = {"tis_mode": "none"}
         adv_arg = (layout.tokens(seq_adv).expand_as(adv) if sequence else adv) * weight
-    else:
-        adv_arg = seq_adv if sequence else adv
+    else:  # packed GSPO: per token, as policy_loss reads an [S] that is also [total_tokens] as per token
+        adv_arg = (seq_adv if layout.padded else layout.tokens(seq_adv)) if sequence else adv
         if rs is not None:
             d = prox.float() - behav.float()
             kwargs["rollout_logp"] = torch.where(torch.isfinite(d), behav, prox)  # AReaL: a non-finite ratio is 1

@@ -260,6 +260,30 @@ def test_actor_loss_packed_gspo_with_as_many_sequences_as_tokens(patched, rs):
     assert_same_stats(s1, s0)
 
 
+@pytest.mark.parametrize("case", ["rs-tok-mask", "rs-tok-clamp", "rs-seq-mask", "eps_clip_higher", "c_clip"])
+def test_actor_loss_infinite_bounds(patched, case):
+    """Bounds AReaL accepts as infinite (a lower-only rejection filter, no upper clip, no dual clip) are computed,
+    by flashrl where LossConfig can hold them, else by AReaL's own function with a warning; never refused."""
+    lp, prox, behav, adv, mask, cu = actor_batch(seed_of("inf", case), "packed")
+    inf = float("inf")
+    kw = {"eps_clip": 0.2, "eps_clip_higher": inf if case == "eps_clip_higher" else 0.28,
+          "c_clip": inf if case == "c_clip" else None}
+    if case.startswith("rs"):
+        level, action = {"rs-tok-mask": ("token", "mask"), "rs-tok-clamp": ("token", "clamp"),
+                         "rs-seq-mask": ("sequence", "mask")}[case]
+        kw["rejection_sampling"] = rs_config(level=level, action=action, metric="ratio", upper=inf, lower=0.7)
+    adv = adv.masked_fill(adv.abs() < 0.05, 0.1)  # AReaL's dual clip c * |A| * sign(A) is NaN at A = 0 for c = inf
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        l1, g1, s1 = run_actor(areal_F.ppo_actor_loss_fn, lp, prox, behav, adv, mask, cu, **kw)
+    fell_back = any(issubclass(w.category, adapter.FlashrlFallbackWarning) for w in seen)
+    assert fell_back == (not case.startswith("rs"))
+    l0, g0, s0 = run_actor(AREAL["ppo_actor_loss_fn"], lp, prox, behav, adv, mask, cu, **kw)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-8)
+    assert_same_stats(s1, s0)
+
+
 def test_actor_loss_errors_match_areal(patched):
     lp, prox, behav, adv, mask, cu = actor_batch(6, "packed")
     seq_rs = rs_config(level="sequence", action="mask", metric="ratio", upper=2.0)

@@ -38,6 +38,7 @@ import collections
 import functools
 import importlib
 import logging
+import math
 import os
 import sys
 import warnings
@@ -277,10 +278,11 @@ def _rejection_sampling(prox, behav, mask, layout, rs):
 def _policy_loss_tis(rs):
     """The LossConfig TIS fields that compute AReaL's behaviour weight inside policy_loss, or None where the op's
     TIS modes cannot express it (KL metrics; sequence filters on the sum or max of the log-ratios: AReaL filters
-    on them but weighs by the geometric mean); the weight is then computed here and folded into the advantages."""
+    on them but weighs by the geometric mean; an infinite upper bound); the weight is then computed here and folded
+    into the advantages."""
     if rs is None:
         return {"tis_mode": "none"}
-    if rs.metric != "ratio" or (rs.level == "sequence" and rs.agg != "mean"):
+    if rs.metric != "ratio" or (rs.level == "sequence" and rs.agg != "mean") or not math.isfinite(rs.upper):
         return None
     level = "token" if rs.level == "token" else "sequence"
     return {"tis_mode": f"{level}_{'truncate' if rs.action == 'clamp' else 'mask'}",
@@ -317,8 +319,9 @@ def ppo_actor_loss_fn(logprobs, proximal_logprobs, old_logprobs, advantages, eps
     _check_actor_args(logprobs, proximal_logprobs, old_logprobs, advantages, loss_mask, c_clip,
                       importance_sampling_level)
     eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
-    if not 0.0 <= eps_clip < 1.0 or eps_high < 0.0:
-        _warn_once(f"eps_clip={eps_clip}, eps_clip_higher={eps_clip_higher} are outside policy_loss's range")
+    if not 0.0 <= eps_clip < 1.0 or not 0.0 <= eps_high < math.inf or (c_clip is not None and math.isinf(c_clip)):
+        _warn_once(f"eps_clip={eps_clip}, eps_clip_higher={eps_clip_higher}, c_clip={c_clip} are outside "
+                   "policy_loss's range")
         _calls["ppo_actor_loss_fn:fallback"] += 1
         return _originals["ppo_actor_loss_fn"](
             logprobs=logprobs, proximal_logprobs=proximal_logprobs, old_logprobs=old_logprobs,

@@ -604,6 +604,25 @@ def test_flashrl_patch_variable(env):
 
 # ---------------------------------------------------------------------------------------------- Ray
 
+def test_ray_runtime_env_adds_the_hook_and_carries_flashrl_settings(monkeypatch):
+    """The hook is added to a copy (the caller's dict and env_vars untouched); the driver's FLASHRL_* variables
+    reach workers of a cluster started with `ray start` (they do not inherit the driver's environment) unless
+    the caller set them; the hook given as the function itself counts as ours; another hook is refused."""
+    from flashrl_kernels.integrations.openrlhf import RAY_SETUP_HOOK, ray_runtime_env, ray_worker_setup
+
+    monkeypatch.setenv("FLASHRL_BACKEND", "torch")
+    monkeypatch.setenv("FLASHRL_OPENRLHF_FUSED_HEAD", "0")
+    mine = {"env_vars": {"FLASHRL_BACKEND": "native", "OTHER": "1"}, "pip": ["x"]}
+    env = ray_runtime_env(mine)
+    assert env["worker_process_setup_hook"] == RAY_SETUP_HOOK and env["pip"] == ["x"]
+    assert env["env_vars"] == {"FLASHRL_BACKEND": "native", "OTHER": "1", "FLASHRL_OPENRLHF_FUSED_HEAD": "0"}
+    assert mine == {"env_vars": {"FLASHRL_BACKEND": "native", "OTHER": "1"}, "pip": ["x"]}
+    assert ray_runtime_env({"worker_process_setup_hook": ray_worker_setup})["worker_process_setup_hook"] == \
+        RAY_SETUP_HOOK
+    with pytest.raises(ValueError, match="Ray takes one hook"):
+        ray_runtime_env({"worker_process_setup_hook": "my.hook"})
+
+
 def test_every_ray_worker_is_patched():
     """Real local Ray workers (tests/openrlhf_ray_scenario.py in a subprocess, launched the way the docs say:
     `python -m flashrl_kernels.integrations.openrlhf MODULE`, whose ray.init is OpenRLHF's call): two actor

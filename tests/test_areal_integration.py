@@ -551,6 +551,22 @@ def test_controllers_send_the_patching_engine_to_workers(patched):
     assert PPOActorController(train_engine=FSDPPPOActor, config=cfg, scheduler=None).train_engine is FSDPPPOActor
 
 
+def test_every_areal_train_engine_is_mapped():
+    """Every PPO / LM / RW / DPO engine class AReaL defines in the engine modules the adapter knows has a patching
+    subclass (read from the sources: megatron_engine does not import here); Archon's LM / RW / DPO engines were
+    missing, so their workers ran unpatched in single-controller mode."""
+    import ast
+    import importlib.util
+    import pathlib
+
+    kinds = ("PPOActor", "PPOCritic", "LMEngine", "RWEngine", "DPOEngine")
+    for module in sorted(set(adapter._ENGINE_CLASSES.values())):
+        tree = ast.parse(pathlib.Path(importlib.util.find_spec(module).origin).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith(kinds)}
+        mapped = {name for name, m in adapter._ENGINE_CLASSES.items() if m == module}
+        assert defined and defined == mapped, (module, defined ^ mapped)
+
+
 def test_unsupported_areal_version_is_refused(monkeypatch):
     monkeypatch.setattr(areal, "__version__", "0.5.3")
     with pytest.raises(RuntimeError, match=r">=1.0,<1.1"):

@@ -78,6 +78,9 @@ _ENGINE_CLASSES = {
     "MegatronDPOEngine": "areal.engine.megatron_engine",
     "ArchonPPOActor": "areal.experimental.engine.archon_engine",
     "ArchonPPOCritic": "areal.experimental.engine.archon_engine",
+    "ArchonLMEngine": "areal.experimental.engine.archon_engine",
+    "ArchonRWEngine": "areal.experimental.engine.archon_engine",
+    "ArchonDPOEngine": "areal.experimental.engine.archon_engine",
 }
 _CONTROLLERS = (
     ("areal.infra.controller.train_controller", "TrainController"),

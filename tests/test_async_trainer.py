@@ -254,6 +254,9 @@ def test_resume_keeps_versions_and_the_bound(tmp_path):
     train(cfg2, resume=os.path.join(cfg.out_dir, "checkpoint"), progress=False, say=lambda *_: None)
     steps = _log(cfg2)
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    # the run's last checkpoint is written after the engine closed: it still holds the groups not trained on
+    snap = torch.load(os.path.join(cfg2.out_dir, "checkpoint", "trainer_state.pt"), weights_only=False)["async"]
+    assert snap["pending"] and snap["next_index"] >= 4 * cfg2.prompts_per_step
     assert all(m["staleness_max"] <= 2 for m in steps)
     assert steps[2]["staleness_max"] == 0  # the resumed engine starts at version 2 with the checkpoint's weights
 

@@ -172,6 +172,7 @@ class Trainer:
         self.engine = None if cfg.is_async else make_rollout(cfg, self.model, self.tokenizer, self.model_dir)
         self.async_engine = None  # started by start_async() (after a resume has set the version)
         self._async_resume: dict | None = None
+        self._async_closed: dict | None = None  # the engine's snapshot at close()
         self.history: list[dict] = []
         self.critic = self.value_opt = None
         self.value_pretrained = 0  # critic-only steps done (VC-PPO value pretraining)
@@ -198,6 +199,7 @@ class Trainer:
 
     def close(self) -> None:
         if self.async_engine is not None:
+            self._async_closed = self.async_engine.snapshot()  # what a checkpoint saved after this resumes from
             self.async_engine.close()
             self.async_engine = None
 
@@ -389,9 +391,11 @@ class Trainer:
         if self.critic is not None:
             extra.update(critic=self.critic.state_dict(), value_opt=self.value_opt.state_dict())
         sampler_state = self.sampler.getstate()
-        if self.async_engine is not None:
-            # the groups drawn and not yet trained on, and the sampler's state after them, read together
-            extra["async"] = snap = self.async_engine.snapshot()
+        # the groups drawn and not yet trained on, and the sampler's state after them, read together (the last
+        # checkpoint of a run is saved after close(): the snapshot taken there)
+        snap = self.async_engine.snapshot() if self.async_engine is not None else self._async_closed
+        if snap is not None:
+            extra["async"] = snap
             sampler_state = snap["sampler"]
         _save_checkpoint(path, self.model, self.opt, self.step, sampler_state, extra)
 

@@ -1,4 +1,5 @@
 """The command line and the benchmark harness (timing, memory, tables)."""
+import io
 import subprocess
 import sys
 
@@ -66,6 +67,28 @@ def test_harness_runs_a_case_and_takes_ratios():
     table = harness.format_table(results)
     assert "slow *" in table and "fast" in table
     assert len(calls) == 2 * (3 + 1)  # warm-up plus repeats, per case
+
+
+def test_cpu_peak_memory_is_never_negative(monkeypatch):
+    # VmRSS read after the reset, VmHWM after the call: lazily synced counters can put the second below the first
+    status = {"VmRSS": 100_000, "VmHWM": 99_900}
+    monkeypatch.setattr(harness, "_read_status_kb", lambda field: status[field])
+    monkeypatch.setattr(harness, "open", lambda *a, **k: io.StringIO(), raising=False)  # /proc/self/clear_refs
+    assert harness.cpu_peak_extra_mb(lambda: None) == 0.0
+
+
+def test_memory_ratio_needs_a_measurable_baseline_peak():
+    def res(impl, peak, baseline=False):
+        return harness.Result("toy", impl, "fwd", "n", 1.0, 0.0, None, None, peak, baseline)
+
+    # peaks within the CPU measurement's noise (gae --quick gave -0.01 MB for the baseline): no ratio, not "-1175%"
+    noisy = [res("base", -0.01, True), res("a", 0.12), res("b", 0.0)]
+    harness._attach_ratios(noisy)
+    assert [r.mem_ratio for r in noisy] == [None, None, None]
+    assert "-" in harness.format_table(noisy).splitlines()[3].split()[-1]
+    real = [res("base", 148.0, True), res("a", 10.0)]
+    harness._attach_ratios(real)
+    assert real[0].mem_ratio == 1.0 and real[1].mem_ratio == pytest.approx(10 / 148)
 
 
 def test_token_logprobs_bench_cases_run_at_tiny_size(monkeypatch):

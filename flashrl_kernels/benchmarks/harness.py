@@ -125,7 +125,9 @@ def cpu_peak_extra_mb(fn: Callable[[], object]) -> float:
         f.write("5")  # reset VmHWM to the current RSS
     base = _read_status_kb("VmRSS")
     fn()
-    return (_read_status_kb("VmHWM") - base) / 1024.0
+    # the kernel's RSS counters are synced lazily: a call that allocates nothing can read a few hundred KB below
+    # the level before it; nothing extra is 0, not a negative peak
+    return max(0.0, (_read_status_kb("VmHWM") - base) / 1024.0)
 
 
 def cuda_peak_extra_mb(fn: Callable[[], object], device: torch.device) -> float:
@@ -221,13 +223,18 @@ def run(
     return results
 
 
+# "mem vs base" only against a baseline peak of at least this: the CPU measurement's noise is a few hundred KB
+# (page-granular RSS counters), and a ratio of two noise readings (0.12 / -0.01 MB: "-1175%") means nothing
+MEM_RATIO_MIN_MB = 1.0
+
+
 def _attach_ratios(results: list[Result]) -> None:
     for r in results:
         base = next((b for b in results if b.baseline and (b.op, b.mode, b.size) == (r.op, r.mode, r.size)), None)
         if base is None or r.median_ms is None or base.median_ms is None:
             continue
         r.speedup = base.median_ms / r.median_ms
-        if r.peak_mb is not None and base.peak_mb:
+        if r.peak_mb is not None and base.peak_mb is not None and base.peak_mb >= MEM_RATIO_MIN_MB:
             r.mem_ratio = r.peak_mb / base.peak_mb
 
 

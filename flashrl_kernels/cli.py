@@ -109,6 +109,20 @@ def _standalone_module(name: str):
     return mod if getattr(mod, "STANDALONE", False) else None
 
 
+def _rollout_options_given(args) -> list[str]:
+    """The --op rollout options given on this command line (those whose value is not the parser's default)."""
+    given = [f"--{name.replace('_', '-')}" for name in ("layers", "hidden", "engines", "kv_cache_dtype", "cases",
+                                                       "quant_options")
+             if getattr(args, name) is not None]
+    if args.interleave is not None:
+        given.append("--interleave" if args.interleave else "--no-interleave")
+    if args.eager:
+        given.append("--eager")
+    if args.engine_mode != "inproc":
+        given.append("--engine-mode")
+    return given
+
+
 def _cmd_bench(args) -> int:
     from flashrl_kernels.benchmarks import harness
 
@@ -124,6 +138,14 @@ def _cmd_bench(args) -> int:
     # standalone benchmarks (whole engines: --op rollout) have their own driver and never enter the harness
     standalone = [(m, mod) for m in modules if (mod := _standalone_module(m)) is not None]
     modules = [m for m in modules if m not in {name for name, _ in standalone}]
+    # an option no op of this run reads is a mistake worth saying, not a silent no-op
+    unused = [] if standalone else _rollout_options_given(args)
+    if not modules and args.impl is not None:
+        unused.append("--impl (rollout: --engines)")
+    if unused:
+        print(f"flashrl-kernels bench: {', '.join(unused)}: not used by --op {', '.join(args.op or modules)}",
+              file=sys.stderr)
+        return 2
     rc = 0
     for name, mod in standalone:
         sub_args = args

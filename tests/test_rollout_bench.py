@@ -66,6 +66,23 @@ def test_rollout_bad_arguments_exit_2(capsys):
     assert cli.main(["bench", "--op", "rollout", "--cases", "decode8", "--quant-options", "{not json"]) == 2
 
 
+def test_bench_refuses_options_no_op_of_the_run_reads(monkeypatch, capsys):
+    """`bench --op gae --layers 2 --engines int4` timed gae and never said that the rollout options (an invalid
+    one included) did nothing; `bench --op rollout --impl int8` ignored --impl the same way."""
+    _no_harness(monkeypatch)
+    monkeypatch.setattr(rb, "main", lambda args: pytest.fail("the rollout bench ran"))
+    assert cli.main(["bench", "--op", "gae", "--layers", "2", "--engines", "int4", "--no-eager"]) == 2
+    assert "--layers, --engines: not used by --op gae" in capsys.readouterr().err
+    for flags in (["--hidden", "128"], ["--eager"], ["--engine-mode", "tp2"], ["--no-interleave"],
+                  ["--cases", "prefill"], ["--kv-cache-dtype", "auto"], ["--quant-options", "{}"]):
+        assert cli.main(["bench", "--op", "quantize", *flags]) == 2, flags
+        assert flags[0] in capsys.readouterr().err
+        assert cli.main(["bench", *flags]) == 2, flags  # the default run has no rollout either
+        capsys.readouterr()
+    assert cli.main(["bench", "--op", "rollout", "--impl", "int8"]) == 2
+    assert "--impl (rollout: --engines): not used by --op rollout" in capsys.readouterr().err
+
+
 def test_tp_thread_binding_splits_this_process_cpus(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2, 5}, raising=False)
     assert rb.tp_thread_binding(2) == "0,1|2,3"  # equal runs; the odd CPU out stays free

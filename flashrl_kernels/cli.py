@@ -123,6 +123,16 @@ def _rollout_options_given(args) -> list[str]:
     return given
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
 def _cmd_bench(args) -> int:
     from flashrl_kernels.benchmarks import harness
 
@@ -311,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="op to benchmark (repeatable); default: all ops (trl_grpo, a whole TRL step, and "
                             "rollout, whole vLLM engines, only by name)")
     bench.add_argument("--quick", action="store_true", help="small sizes, fewer repeats (a smoke run)")
-    bench.add_argument("--repeats", type=int, default=None,
+    bench.add_argument("--repeats", type=_positive_int, default=None,
                        help="timed repeats per case (default 5, quick 3; rollout: 3)")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available; rollout: vLLM's)")
     bench.add_argument("--impl", default=None, help="only implementations whose name contains this (plus baselines)")
@@ -319,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     ro = bench.add_argument_group("--op rollout (vLLM generate throughput of bf16 / vLLM W8A8 / flashrl_int8 / "
                                   "flashrl_fp8 engines; see flashrl_kernels/benchmarks/rollout.py)")
-    ro.add_argument("--layers", type=int, default=None, metavar="N", help="decoder layers (default 24; quick 2)")
-    ro.add_argument("--hidden", type=int, default=None, metavar="H",
+    ro.add_argument("--layers", type=_positive_int, default=None, metavar="N",
+                    help="decoder layers (default 24; quick 2)")
+    ro.add_argument("--hidden", type=_positive_int, default=None, metavar="H",
                     help="hidden size (default 896 = Qwen2.5-0.5B; quick 128); heads of 64, 2 KV heads, "
                          "intermediate ~5.43 H")
     ro.add_argument("--engines", default=None, metavar="LIST",

@@ -24,6 +24,19 @@ def test_bench_rejects_unknown_op(capsys):
     assert "no_such_op" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--repeats", "--layers", "--hidden"])
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_bench_counts_must_be_positive(flag, value, capsys, monkeypatch):
+    """`bench --repeats -1` printed 'error: StatisticsError: no median for empty data' in every row and `--repeats 0`
+    silently ran the default repeats."""
+    from flashrl_kernels.benchmarks import rollout
+
+    monkeypatch.setattr(rollout, "main", lambda args: pytest.fail("the bench ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--op", "rollout", flag, value])
+    assert exc.value.code == 2 and f"expected a positive integer, got '{value}'" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc peak-RSS accounting is Linux-only")
 def test_cpu_peak_memory_sees_a_known_allocation():
     code = (

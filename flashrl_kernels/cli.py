@@ -300,6 +300,10 @@ def _cmd_gpu_audit(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(gpu_audit.rows_to_json(rows), f, indent=1)
+    if not rows:  # a filter that matches nothing (a typo) must not pass as "0 with problems"
+        print(f"gpu-audit: no specialization matches --only {args.only!r} for --arch {','.join(archs)}",
+              file=sys.stderr)
+        return 2
     if not args.no_table:
         print(gpu_audit.format_table(rows, detail=args.detail))
     bad = gpu_audit.failures(rows)

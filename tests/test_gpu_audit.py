@@ -46,6 +46,15 @@ def test_fp8_quantizer_compiles_for_sm80_and_sm86():
     assert all(r.ok and not r.spill_bytes for r in rows), gpu_audit.format_table(rows, detail=True)
 
 
+def test_only_that_matches_nothing_fails(capsys):
+    """`gpu-audit --only no_such_kernel` printed an empty table and '0 compiled specializations, 0 with problems'
+    with exit 0: a misspelt filter passed as a clean audit."""
+    from flashrl_kernels import cli
+
+    assert cli.main(["gpu-audit", "--arch", "90", "--quick", "--only", "no_such_kernel"]) == 2
+    assert "no specialization matches --only 'no_such_kernel' for --arch 90" in capsys.readouterr().err
+
+
 def test_table_and_json_name_every_row(quick_rows):
     from flashrl_kernels import gpu_audit
 

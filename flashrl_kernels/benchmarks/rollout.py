@@ -60,7 +60,9 @@ Per engine: one untimed warm-up generate per case (its prompts, 2 new tokens), t
 timed `generate` calls per case (default 3), each the whole batch submitted at once; the median wall time is
 reported. Decode tokens/s = generated tokens /
 median time; prefill tokens/s = prompt tokens processed / median time (the one generated token per prompt is
-not counted). "x vs bf16" = tokens/s / the bf16 engine's tokens/s for the same case.
+not counted). "x vs bf16" = tokens/s / the bf16 engine's tokens/s for the same case. "engine start s": the
+`vllm.LLM(...)` call; the first engine built (bf16 when it runs) also pays vLLM's one-time set-up in the process
+(seconds: 6.6 s against 0.6-0.7 s for the next engines in a `--quick --eager` run), so it is no comparison.
 
 Accuracy (columns "KL est.", "mean|dlogp|", "max|dlogp|"): the completions the bf16 engine sampled in its first
 timed decode8 run (if decode8 is not among --cases, in one extra untimed decode8 run) are scored by every engine
@@ -604,7 +606,8 @@ def format_table(rows: list[Row]) -> str:
     out = [line(headers), line(["-" * w for w in widths])] + [line(c) for c in table]
     out.append("tokens/s: generated tokens / median time (decode), prompt tokens / median time (prefill); "
                "KL est. = mean(logp_bf16 - logp_engine) over the bf16 engine's decode8 samples (teacher-forced, T=1); "
-               "bound tok/s: decode tokens/s if each step took only (bytes it reads) / (measured read bandwidth)")
+               "bound tok/s: decode tokens/s if each step took only (bytes it reads) / (measured read bandwidth); "
+               "engine start s: vllm.LLM(...), the first engine's including vLLM's one-time set-up in this process")
     return "\n".join(out)
 
 

@@ -325,6 +325,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     out_dir = Path(os.environ.get("OUT", "."))
+    out_dir.mkdir(parents=True, exist_ok=True)  # a new $OUT must not lose the report after the whole run
     (out_dir / "gpu_check.json").write_text(json.dumps(
         {"device": name, "ceilings": report.ceilings, "rows": report.rows, "checks": report.checks}, indent=1))
     print_report(report)

@@ -172,6 +172,7 @@ def main(argv=None) -> int:
         if not dry:
             torch.cuda.empty_cache()
     out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)  # a new $OUT must not lose the sweep after the whole run
     (out / "gpu_sweep_qlinear.json").write_text(json.dumps({"device": name, "capability": cap, "sms": sms,
                                                              "results": results}, indent=1))
     print(f"total {time.time() - t0:.0f}s")

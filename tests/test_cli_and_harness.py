@@ -104,6 +104,21 @@ def test_memory_ratio_needs_a_measurable_baseline_peak():
     assert real[0].mem_ratio == 1.0 and real[1].mem_ratio == pytest.approx(10 / 148)
 
 
+def test_gpu_check_dry_run_writes_its_json_into_a_new_out_dir(tmp_path):
+    """`OUT=/new/dir python bench/gpu_check.py --dry-run --only gae` ran every section, then died with
+    FileNotFoundError writing $OUT/gpu_check.json, before the report was printed."""
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "new" / "dir"
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, str(repo / "bench" / "gpu_check.py"), "--dry-run", "--only", "gae"],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (out / "gpu_check.json").exists() and "PASS  gae" in proc.stdout
+
+
 def test_token_logprobs_bench_cases_run_at_tiny_size(monkeypatch):
     from flashrl_kernels.benchmarks import token_logprobs as tb
 

@@ -153,3 +153,15 @@ def test_train_flags_override_the_config_file(tmp_path):
     path.write_text("out_dir: my_runs/a\nsteps: 7\n")
     assert _train_cfg(["train", "--config", str(path)]).out_dir == "my_runs/a"  # the file's over the command's
     assert _train_cfg(["train", "--config", str(path), "--out-dir", "b"]).out_dir == "b"  # a flag over both
+
+
+@pytest.mark.parametrize("flags, match", [(["--n-eval", "0"], "option n_eval"), (["--ops", "x"], "option ops"),
+                                          (["--prompts-per-step", "500"], "option prompts_per_step"),
+                                          (["--overlong-cache", "10"], "option overlong_cache")])
+def test_train_rejects_bad_task_options_in_one_line(flags, match, capsys, tmp_path):
+    """Options the task checks fail before anything runs, as one line and exit code 2 (they were tracebacks: the
+    task's when the trainer built it, or random.sample's at the first step, after the warm start and vLLM)."""
+    assert cli.main(["train", "--out-dir", str(tmp_path / "run"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashrl-kernels train: ") and match in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()

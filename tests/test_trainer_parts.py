@@ -71,6 +71,14 @@ def test_build_batch_aligns_targets_with_the_logits_that_predict_them():
         ({"eps_low": 1.0}, "eps_low"),
         ({"tis_max": 0.0, "tis_min": 0.0}, "tis_max"),
         ({"tis": "none", "tis_min": 3.0}, "tis_min"),  # the loss config rejects it whatever tis is
+        # the task's own options, at construction (they used to fail as a traceback when the trainer built the task)
+        ({"n_eval": 0}, "option n_eval"),
+        ({"ops": "x"}, "option ops"),
+        ({"max_operand": 1}, "option max_operand"),
+        ({"task": "chain", "n_eval": -1}, "option n_eval"),
+        # more prompts per step than the train split holds (used to fail at the first step, after the warm start)
+        ({"prompts_per_step": 200}, "prompts_per_step .*136 problems"),
+        ({"overlong_cache": 8}, "overlong_cache.*max_new_tokens \\(4, the task default"),
     ],
 )
 def test_bad_config_names_the_option(kwargs, match):

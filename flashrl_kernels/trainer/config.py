@@ -256,10 +256,33 @@ class TrainConfig:
             raise ValueError("option reward='steps' scores chains of running totals: task 'chain' only")
         if self.task == "chain" and not 2 <= self.max_operand <= 10:
             raise ValueError(f"option max_operand must be in [2, 10] for task 'chain', got {self.max_operand}")
+        self._check_task()
         if self.engine_cpus != "auto":
             parse_cpus(self.engine_cpus)  # raises naming the option
         if self.trainer_cpus not in ("auto", "all"):
             parse_cpus(self.trainer_cpus, "trainer_cpus")
+
+    def _check_task(self) -> None:
+        """The options the task itself checks (n_eval, ops, max_operand), the train split against
+        prompts_per_step and the response budget against overlong_cache: here, not when the trainer builds the
+        task (after the command has started) or draws its first batch (after the warm start and the engine)."""
+        from .task import ArithmeticTask, ChainSumTask
+
+        try:
+            if self.task == "chain":
+                task = ChainSumTask(max_operand=self.max_operand, n_eval=self.n_eval, seed=self.seed)
+            else:
+                task = ArithmeticTask(max_operand=self.max_operand, ops=self.ops, n_eval=self.n_eval, seed=self.seed)
+        except ValueError as exc:
+            raise ValueError(f"option {exc}") from None
+        n_train = task.n_train if self.task == "chain" else len(self.ops) * self.max_operand**2 - self.n_eval
+        if self.prompts_per_step > n_train:
+            raise ValueError(f"option prompts_per_step ({self.prompts_per_step}) exceeds the {n_train} problems of "
+                             f"the train split (task {self.task!r}, max_operand {self.max_operand}, n_eval {self.n_eval})")
+        budget = self.max_new_tokens or task.max_answer_chars + 1
+        if self.overlong_cache > budget:
+            raise ValueError(f"option overlong_cache ({self.overlong_cache}) must not exceed the response budget "
+                             f"max_new_tokens ({budget}{'' if self.max_new_tokens else ', the task default'})")
 
     def split_cpus(self) -> tuple[list[int], list[int]]:
         """(engine CPUs, trainer CPUs) of the asynchronous mode: engine_cpus, or the upper half of this process's

@@ -148,10 +148,7 @@ class Trainer:
         self.task = task_of(cfg)
         self.train_set, self.eval_set = self.task.splits()
         self.reward_fn = REWARDS[cfg.reward_name]
-        self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_chars + 1
-        if cfg.overlong_cache > self.max_new_tokens:  # here, before the warm start, not at the first step
-            raise ValueError(f"option overlong_cache ({cfg.overlong_cache}) must not exceed the response budget "
-                             f"max_new_tokens ({self.max_new_tokens}{'' if cfg.max_new_tokens else ', the task default'})")
+        self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_chars + 1  # (overlong_cache: validate)
         torch.manual_seed(cfg.seed)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

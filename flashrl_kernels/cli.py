@@ -240,8 +240,12 @@ def _run_training(cfg, resume=None) -> int:
 
 def _config_or_none(args, command: str):
     """The TrainConfig the command line asks for, or None after saying what is wrong with it."""
+    from flashrl_kernels.trainer.rollout import check_kv_cache_dtype
+
     try:
-        return _train_config(args, {"out_dir": f"runs/{command}"})
+        cfg = _train_config(args, {"out_dir": f"runs/{command}"})
+        check_kv_cache_dtype(cfg.kv_cache_dtype)  # what this machine's vLLM supports
+        return cfg
     except (ValueError, TypeError, OSError) as exc:
         print(f"flashrl-kernels {command}: {exc}", file=sys.stderr)
         return None

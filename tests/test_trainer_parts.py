@@ -79,6 +79,8 @@ def test_build_batch_aligns_targets_with_the_logits_that_predict_them():
         # more prompts per step than the train split holds (used to fail at the first step, after the warm start)
         ({"prompts_per_step": 200}, "prompts_per_step .*136 problems"),
         ({"overlong_cache": 8}, "overlong_cache.*max_new_tokens \\(4, the task default"),
+        # vLLM's CPU attention keeps an FP8 KV cache only for head sizes that are multiples of 32 (320 / 4 = 80)
+        ({"kv_cache_dtype": "fp8", "hidden_size": 320}, "kv_cache_dtype.*multiple of 32"),
     ],
 )
 def test_bad_config_names_the_option(kwargs, match):

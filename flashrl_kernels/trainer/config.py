@@ -244,6 +244,9 @@ class TrainConfig:
             )
         if self.rollout_engine == "hf" and self.kv_cache_dtype != "auto":
             raise ValueError(f"option kv_cache_dtype={self.kv_cache_dtype!r} needs the vLLM engine")
+        if self.kv_cache_dtype != "auto" and (self.hidden_size // 4) % 32:
+            raise ValueError(f"option kv_cache_dtype={self.kv_cache_dtype!r} needs a head size that is a multiple of "
+                             f"32 (vLLM's CPU attention); hidden_size {self.hidden_size} gives {self.hidden_size // 4}")
         if self.rollout_mode == "sync" and self.max_staleness > 0:
             raise ValueError(f"option max_staleness={self.max_staleness} needs the asynchronous engine "
                              "(rollout_mode 'auto' or 'async', not 'sync')")

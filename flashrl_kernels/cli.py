@@ -273,8 +273,17 @@ def _cmd_ablate(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    import os
+
     cfg = _config_or_none(args, "train")
     if cfg is None:
+        return 2
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "trainer_state.pt")):
+        # here, not as torch.load's traceback after the warm start and the engine's start-up
+        inner = os.path.join(args.resume, "checkpoint")
+        hint = f" (did you mean {inner}?)" if os.path.isfile(os.path.join(inner, "trainer_state.pt")) else ""
+        print(f"flashrl-kernels train: --resume {args.resume}: no checkpoint there (trainer_state.pt){hint}",
+              file=sys.stderr)
         return 2
     return _run_training(cfg, resume=args.resume)
 

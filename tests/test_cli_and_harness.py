@@ -184,3 +184,19 @@ def test_fp8_kv_cache_without_avx512_fails_before_the_run(monkeypatch, capsys, t
     with pytest.raises(ValueError, match="AVX-512 or AMX"):  # the trainer checks too (the API, the ablation)
         loop.Trainer(TrainConfig(kv_cache_dtype="fp8_e5m2", cache_dir=str(tmp_path)))
     assert cli._config_or_none(cli.build_parser().parse_args(["train", "--kv-cache-dtype", "auto"]), "train")
+
+
+def test_resume_from_a_folder_without_a_checkpoint_fails_at_once(monkeypatch, capsys, tmp_path):
+    """--resume names a folder without trainer_state.pt (a typo, or the run's out_dir instead of its checkpoint
+    folder): one line before anything runs, not torch.load's FileNotFoundError after the warm start and vLLM."""
+    from flashrl_kernels.trainer import run
+
+    monkeypatch.setattr(run, "train", lambda *a, **k: pytest.fail("the run started"))
+    out = tmp_path / "run"
+    assert cli.main(["train", "--out-dir", str(out), "--resume", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "no checkpoint there" in err and len(err.strip().splitlines()) == 1
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "trainer_state.pt").write_bytes(b"")
+    assert cli.main(["train", "--out-dir", str(out), "--resume", str(out)]) == 2
+    assert f"did you mean {out / 'checkpoint'}?" in capsys.readouterr().err

@@ -73,7 +73,8 @@ def test_summary_reports_rollout_tokens_per_s(tmp_path):
 
 
 def test_resumed_run_keeps_the_warm_start_accuracy_and_history(tmp_path):
-    """A resumed run's summary: the warm start's accuracy (not the checkpoint's) and medians over every step."""
+    """A resumed run's summary: the warm start's accuracy (not the checkpoint's) and medians over every step; a
+    finished run resumed: the checkpoint's accuracy after RL."""
     from flashrl_kernels.trainer.run import train
 
     quiet = {"progress": False, "say": lambda *a: None}
@@ -83,6 +84,13 @@ def test_resumed_run_keeps_the_warm_start_accuracy_and_history(tmp_path):
     assert [h["step"] for h in loaded.history] == [0, 1, 2]  # the warm start's record and both steps'
     assert loaded.history[0]["eval_accuracy"] == first["accuracy_start"]
     loaded.close()
+    # resuming the finished run trains nothing: 'after RL' is the checkpoint's last held-out accuracy (it was the
+    # warm start's); the checkpoint's is set apart from it here, whatever the run gave
+    path = tmp_path / "run" / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    state["history"][2]["eval_accuracy"] = 0.4375
+    torch.save(state, path)
+    assert train(small_cfg(tmp_path, steps=2, eval_every=2), resume=str(path.parent), **quiet)["accuracy_end"] == 0.4375
     resumed = train(small_cfg(tmp_path, steps=3, eval_every=2), resume=str(tmp_path / "run" / "checkpoint"), **quiet)
     assert resumed["accuracy_start"] == first["accuracy_start"]
     with open(resumed["log"]) as f:

@@ -186,7 +186,9 @@ def _train(trainer, cfg: TrainConfig, resume, progress, say, log_path: str, t_st
             vbar.update(1)
         vbar.close()
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc="RL", unit="step", disable=not progress, dynamic_ncols=True)
-    acc = acc_start
+    # the latest held-out accuracy: a resumed run's checkpoint was written at an evaluation (resuming a finished
+    # run trains nothing, and its 'after RL' is the checkpoint's)
+    acc = next((h["eval_accuracy"] for h in reversed(trainer.history) if "eval_accuracy" in h), acc_start)
     ckpt = os.path.join(cfg.out_dir, "checkpoint")
     while trainer.step < cfg.steps:
         m = trainer.rl_step()

@@ -261,10 +261,15 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_ablate(args) -> int:
-    from flashrl_kernels.trainer.ablation import format_ablation, run_ablation
+    from flashrl_kernels.trainer.ablation import ablation_configs, format_ablation, run_ablation
 
     cfg = _config_or_none(args, "ablate")
     if cfg is None:
+        return 2
+    try:
+        ablation_configs(cfg)  # every row's options, before the first run
+    except ValueError as exc:
+        print(f"flashrl-kernels ablate: {exc}", file=sys.stderr)
         return 2
     rows = run_ablation(cfg)
     print()

@@ -200,3 +200,18 @@ def test_resume_from_a_folder_without_a_checkpoint_fails_at_once(monkeypatch, ca
     (out / "checkpoint" / "trainer_state.pt").write_bytes(b"")
     assert cli.main(["train", "--out-dir", str(out), "--resume", str(out)]) == 2
     assert f"did you mean {out / 'checkpoint'}?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, match", [(["--group-size", "4"], "row 'int8 rollout, TIS, GFPO'.*gfpo_keep"),
+                                          (["--rollout-mode", "sync"], "row 'int8 rollout, TIS, async.*max_staleness"),
+                                          (["--algo", "vapo", "--nll-coef", "0.2"], "row 'bf16 rollout, TIS'.*nll_coef")])
+def test_ablate_checks_every_row_before_the_first_run(flags, match, monkeypatch, capsys, tmp_path):
+    """A row whose overrides do not fit the options given failed with a traceback when its turn came, after the
+    runs before it (`ablate --group-size 4`: GFPO's gfpo_keep 4, the fifth of nine runs)."""
+    from flashrl_kernels.trainer import ablation
+
+    monkeypatch.setattr(ablation, "train", lambda *a, **k: pytest.fail("a run started"))
+    assert cli.main(["ablate", "--out-dir", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashrl-kernels ablate: ablation row") and len(err.strip().splitlines()) == 1
+    assert __import__("re").search(match, err), err

@@ -42,16 +42,32 @@ def _lengths(out_dir: str, tail: int) -> tuple[float, float]:
     return lens[0], statistics.mean(lens[-tail:])
 
 
-def run_ablation(base: TrainConfig, say=print) -> list[dict]:
-    rows = []
+def ablation_configs(base: TrainConfig) -> list[tuple[str, TrainConfig | None]]:
+    """(row name, its config, or None where it is skipped), every row's built before the first run: a row whose
+    overrides do not fit the base options (GFPO's gfpo_keep 4 with group_size 4, the async rows with rollout_mode
+    'sync') fails now, naming the row, not after the runs before it."""
+    out = []
     for i, (name, overrides) in enumerate(RUNS):
         if base.rollout_engine == "hf" and (overrides.get("rollout_quant", "bf16") != "bf16"
                                             or overrides.get("max_staleness")):
-            say(f"[{i + 1}/{len(RUNS)}] {name}: skipped (quantized and asynchronous rollout need vLLM)")
+            out.append((name, None))
             continue
         if base.algo != "grpo" or base.advantage != "grpo":
             overrides = {"algo": "grpo", "advantage": "grpo", **overrides}  # each row names its own algorithm
-        cfg = dataclasses.replace(base, out_dir=os.path.join(base.out_dir, f"run{i}"), **overrides)
+        try:
+            out.append((name, dataclasses.replace(base, out_dir=os.path.join(base.out_dir, f"run{i}"), **overrides)))
+        except ValueError as exc:
+            raise ValueError(f"ablation row '{name}' ({', '.join(f'{k}={v!r}' for k, v in overrides.items())}): "
+                             f"{exc}") from None
+    return out
+
+
+def run_ablation(base: TrainConfig, say=print) -> list[dict]:
+    rows = []
+    for i, (name, cfg) in enumerate(ablation_configs(base)):
+        if cfg is None:
+            say(f"[{i + 1}/{len(RUNS)}] {name}: skipped (quantized and asynchronous rollout need vLLM)")
+            continue
         say(f"[{i + 1}/{len(RUNS)}] {name}")
         s = train(cfg, say=lambda *_: None)
         l_start, l_end = _lengths(cfg.out_dir, tail=max(1, cfg.steps // 6))

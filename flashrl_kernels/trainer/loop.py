@@ -193,7 +193,9 @@ class Trainer:
             credits=self.value_pretrained, seed_base=self.cfg.seed, resume=self._async_resume)
         # the trainer's weights (a resume's, not the warm start's the engine loaded), then generation starts
         self.async_engine.start(self.model if self.step or self.value_pretrained else None)
-        self._frontend_cpu_mark = self.async_engine.frontend_cpu_seconds()  # (not the engine's start-up)
+        # per-step counters from here: not the engine's start-up (its idle clock runs from before the engine exists)
+        self._frontend_cpu_mark = self.async_engine.frontend_cpu_seconds()
+        self._engine_idle_mark = self.async_engine.engine_idle_seconds()
 
     def close(self) -> None:
         if self.async_engine is not None:

@@ -185,24 +185,31 @@ def _cmd_bench(args) -> int:
     return max(rc, 1 if any(r.error and r.impl.startswith("flashrl") for r in results) else 0)
 
 
-def _add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field (--rollout-quant int8, --dynamic-sampling true, ...)."""
+def _add_train_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """One flag per TrainConfig field (--rollout-quant int8, --dynamic-sampling true, ...); the help names the
+    allowed values of the options that have a fixed set, and the command's own out_dir default."""
     import dataclasses
 
-    from flashrl_kernels.trainer.config import TrainConfig
+    from flashrl_kernels.trainer import config as c
 
+    choices = {"task": c.TASKS, "reward": c.REWARD_NAMES, "rollout_engine": c.ROLLOUT_ENGINES,
+               "rollout_quant": c.ROLLOUT_QUANTS, "kv_cache_dtype": c.KV_CACHE_DTYPES, "rollout_mode": c.ROLLOUT_MODES,
+               "interrupt": c.INTERRUPTS, "frontend_cpus": ("trainer", "engine"), "proximal": c.PROXIMALS,
+               "algo": c.ALGOS, "advantage": c.ADVANTAGES, "level": c.LEVELS, "tis": c.TIS_MODES,
+               "loss_agg": c.AGG_MODES}
     group = parser.add_argument_group("training options (override the config file)")
     # default=SUPPRESS: a flag not given leaves no attribute, so _train_config keeps the config file's value (or
     # TrainConfig's default), while an explicit `--dual-clip none` is there as None and overrides it.
-    for f in dataclasses.fields(TrainConfig):
-        default = f.default
+    for f in dataclasses.fields(c.TrainConfig):
+        default = f"runs/{command}" if f.name == "out_dir" else f.default  # (_config_or_none's)
         if "None" in str(f.type):
             kind = _parse_optional_float
         else:
             kind = {bool: _parse_bool, int: int, float: float, str: str}[type(default)]
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}", type=kind, default=argparse.SUPPRESS,
                            metavar="FLOAT|none" if kind is _parse_optional_float else type(default).__name__.upper(),
-                           help=f"default: {default!r}" + (" (the algo's)" if default is None else ""))
+                           help=(f"one of {', '.join(choices[f.name])}; " if f.name in choices else "")
+                           + f"default: {default!r}" + (" (the algo's)" if default is None else ""))
 
 
 def _parse_bool(text: str) -> bool:
@@ -381,17 +388,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="a short GRPO run of the reference trainer: INT8 rollout + TIS (CPU, minutes)")
-    _add_train_flags(demo)
+    _add_train_flags(demo, "demo")
     demo.set_defaults(func=_cmd_demo)
 
     ab = sub.add_parser("ablate", help="bf16 vs INT8/FP8 rollout, with and without TIS, GRPO vs GFPO: one table")
-    _add_train_flags(ab)
+    _add_train_flags(ab, "ablate")
     ab.set_defaults(func=_cmd_ablate)
 
     tr = sub.add_parser("train", help="the reference GRPO/GSPO trainer with every option")
     tr.add_argument("--config", default=None, metavar="FILE.yaml", help="options as a YAML mapping")
     tr.add_argument("--resume", default=None, metavar="DIR", help="resume from a checkpoint folder (<out_dir>/checkpoint)")
-    _add_train_flags(tr)
+    _add_train_flags(tr, "train")
     tr.set_defaults(func=_cmd_train)
 
     ga = sub.add_parser("gpu-audit", help="compile every Triton kernel for sm_80/86/90/100 and gfx942 without a GPU: "

@@ -215,3 +215,17 @@ def test_ablate_checks_every_row_before_the_first_run(flags, match, monkeypatch,
     err = capsys.readouterr().err
     assert err.startswith("flashrl-kernels ablate: ablation row") and len(err.strip().splitlines()) == 1
     assert __import__("re").search(match, err), err
+
+
+@pytest.mark.parametrize("command", ["train", "demo", "ablate"])
+def test_train_help_lists_the_choices_and_the_commands_out_dir(command, capsys):
+    """README: `flashrl-kernels train --help` lists the algorithms; it said only `--algo STR default: 'grpo'`, and
+    `default: 'runs/demo'` for train's and ablate's --out-dir (theirs are runs/train and runs/ablate)."""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--algo STR one of grpo, ppo, vapo; default: 'grpo'" in out
+    assert "--tis STR one of none, token_truncate, token_mask, sequence_truncate, sequence_mask;" in out
+    assert "--advantage STR one of grpo, dr_grpo, rloo, gfpo_length," in out
+    assert f"--out-dir STR default: 'runs/{command}'" in out
+    assert _train_cfg([command]).out_dir == f"runs/{command}"

@@ -196,6 +196,8 @@ class TrainConfig:
                      "weight_decay", "eps_low", "eps_high", "tis_min", "value_pretrain_steps", "max_staleness"):
             positive(name, zero_ok=True)
         positive("value_lr")
+        if not 0 <= self.seed < 2**32:  # vLLM seeds numpy with it (and the warm start, torch and the sampler)
+            raise ValueError(f"option seed must be in [0, 2**32), got {self.seed}")
         for name in ("lam_alpha", "nll_coef"):
             if not self.resolved(name) >= 0:
                 raise ValueError(f"option {name} must be >= 0, got {self.resolved(name)}")

@@ -252,6 +252,8 @@ def _config_or_none(args, command: str):
     try:
         cfg = _train_config(args, {"out_dir": f"runs/{command}"})
         check_kv_cache_dtype(cfg.kv_cache_dtype)  # what this machine's vLLM supports
+        if cfg.is_async:
+            cfg.split_cpus()  # engine_cpus / trainer_cpus against the CPUs this process may use
         return cfg
     except (ValueError, TypeError, OSError) as exc:
         print(f"flashrl-kernels {command}: {exc}", file=sys.stderr)

@@ -229,3 +229,18 @@ def test_train_help_lists_the_choices_and_the_commands_out_dir(command, capsys):
     assert "--advantage STR one of grpo, dr_grpo, rloo, gfpo_length," in out
     assert f"--out-dir STR default: 'runs/{command}'" in out
     assert _train_cfg([command]).out_dir == f"runs/{command}"
+
+
+def test_async_cpus_this_process_may_not_use_fail_before_the_run(monkeypatch, capsys, tmp_path):
+    """--engine-cpus naming a CPU outside this process's affinity: one line, not the traceback the asynchronous
+    engine raised after the warm start."""
+    import os
+
+    from flashrl_kernels.trainer import run
+
+    monkeypatch.setattr(run, "train", lambda *a, **k: pytest.fail("the run started"))
+    missing = str(max(os.sched_getaffinity(0)) + 1)
+    for flags in (["--engine-cpus", missing], ["--trainer-cpus", missing]):
+        assert cli.main(["train", "--out-dir", str(tmp_path), "--max-staleness", "1", *flags]) == 2
+        err = capsys.readouterr().err
+        assert "this process may not use" in err and len(err.strip().splitlines()) == 1

@@ -99,6 +99,16 @@ def test_resumed_run_keeps_the_warm_start_accuracy_and_history(tmp_path):
     assert resumed["time_rollout_s"] == pytest.approx(sorted(h["time_rollout"] for h in logged)[1])
 
 
+def test_naive_ppo_logs_no_mismatch_it_did_not_measure(tmp_path):
+    """--proximal behaviour takes the rollout's log-probs as old_logp: the loss's mismatch KL and TIS weight are 0
+    and 1 by construction, and the summary printed 'mismatch KL rollout vs trainer 0.00e+00' for an fp8,
+    asynchronous rollout. They are left out of the step's log (the summary says '-')."""
+    trainer = Trainer(small_cfg(tmp_path, proximal="behaviour", steps=1, num_iterations=1))
+    m = trainer.rl_step()
+    assert "loss" in m and "ratio_mean" in m
+    assert "mismatch_kl" not in m and not [k for k in m if k.startswith("tis_")]
+
+
 def test_step_metrics_reduce_by_kind():
     """Per-minibatch metrics to one value per step: extremes stay extremes, counts are per pass, others mean."""
     from flashrl_kernels.trainer.loop import _step_metric

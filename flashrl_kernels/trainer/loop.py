@@ -327,6 +327,9 @@ class Trainer:
                     agg.setdefault(name, []).append(float(val))
         m["time_update"] = time.perf_counter() - t0
         m.update({k: _step_metric(k, v, cfg.num_iterations) for k, v in agg.items()})
+        if cfg.proximal == "behaviour":  # old_lp is the rollout's: the loss saw no mismatch and no TIS weight (1),
+            for k in [k for k in m if k == "mismatch_kl" or k.startswith("tis_")]:  # not measured, so not logged
+                del m[k]
 
         # time_sync (+ sync_codes_changed, sync_max_scale_change); async: pause, write, resume
         try:

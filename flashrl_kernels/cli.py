@@ -264,8 +264,11 @@ def _cmd_demo(args) -> int:
     cfg = _config_or_none(args, "demo")
     if cfg is None:
         return 2
-    print("flashrl-kernels demo: GRPO on the built-in arithmetic task, INT8 rollout with TIS "
-          "(tiny Qwen2, CPU-sized; see `flashrl-kernels train --help` for every option)", flush=True)
+    # what this run is (the demo's defaults: GRPO, arithmetic, INT8 with TIS), not what the defaults are
+    task = {"arith": "arithmetic", "chain": "chain-sum"}[cfg.task]
+    print(f"flashrl-kernels demo: {cfg.algo.upper()} on the built-in {task} task, {cfg.rollout_quant.upper()} rollout "
+          f"{'without TIS' if cfg.tis == 'none' else 'with TIS'} (tiny Qwen2, CPU-sized; see "
+          "`flashrl-kernels train --help` for every option)", flush=True)
     return _run_training(cfg)
 
 

@@ -244,3 +244,12 @@ def test_async_cpus_this_process_may_not_use_fail_before_the_run(monkeypatch, ca
         assert cli.main(["train", "--out-dir", str(tmp_path), "--max-staleness", "1", *flags]) == 2
         err = capsys.readouterr().err
         assert "this process may not use" in err and len(err.strip().splitlines()) == 1
+
+
+def test_demo_banner_names_the_run_it_starts(monkeypatch, capsys):
+    """The banner said 'GRPO on the built-in arithmetic task, INT8 rollout with TIS' whatever the flags asked."""
+    monkeypatch.setattr(cli, "_run_training", lambda cfg, resume=None: 0)
+    assert cli.main(["demo"]) == 0
+    assert "demo: GRPO on the built-in arithmetic task, INT8 rollout with TIS" in capsys.readouterr().out
+    assert cli.main(["demo", "--algo", "ppo", "--task", "chain", "--rollout-quant", "bf16", "--tis", "none"]) == 0
+    assert "demo: PPO on the built-in chain-sum task, BF16 rollout without TIS" in capsys.readouterr().out

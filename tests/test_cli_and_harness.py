@@ -253,3 +253,11 @@ def test_demo_banner_names_the_run_it_starts(monkeypatch, capsys):
     assert "demo: GRPO on the built-in arithmetic task, INT8 rollout with TIS" in capsys.readouterr().out
     assert cli.main(["demo", "--algo", "ppo", "--task", "chain", "--rollout-quant", "bf16", "--tis", "none"]) == 0
     assert "demo: PPO on the built-in chain-sum task, BF16 rollout without TIS" in capsys.readouterr().out
+
+
+def test_train_with_a_malformed_config_file_says_so_in_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 2\n\tlr: 1\n")
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flashrl-kernels train: config file {path} is not valid YAML") and len(err.splitlines()) == 1

@@ -133,6 +133,9 @@ def test_unknown_option_and_yaml(tmp_path):
     f.write_text("- 1\n- 2\n")
     with pytest.raises(TypeError, match="mapping"):
         TrainConfig.from_yaml(str(f))
+    f.write_text("steps: [2\n")  # malformed: was yaml's ScannerError/ParserError, a traceback from the CLI
+    with pytest.raises(ValueError, match="c.yaml is not valid YAML: .*line 2"):
+        TrainConfig.from_yaml(str(f))
 
 
 def test_rollout_tokens_per_s_sums_over_the_run():

@@ -334,7 +334,10 @@ class TrainConfig:
         import yaml
 
         with open(path) as f:
-            values = yaml.safe_load(f) or {}
+            try:
+                values = yaml.safe_load(f) or {}
+            except yaml.YAMLError as exc:  # one line naming the file and the place, not the parser's traceback
+                raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(values, dict):
             raise TypeError(f"config file {path} must hold a mapping of option: value")
         return cls.from_dict({**(defaults or {}), **values, **(overrides or {})})

@@ -261,3 +261,19 @@ def test_train_with_a_malformed_config_file_says_so_in_one_line(tmp_path, capsys
     assert cli.main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"flashrl-kernels train: config file {path} is not valid YAML") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, match", [(["--tis", "none"], "option tis='none'"),
+                                          (["--max-staleness", "1"], "every row would run asynchronously"),
+                                          (["--rollout-mode", "async"], "every row would run asynchronously")])
+def test_ablate_refuses_base_options_that_would_mislabel_its_rows(flags, match, monkeypatch, capsys, tmp_path):
+    """`ablate --tis none` ran its 'TIS' rows without TIS, `ablate --max-staleness 1` every row asynchronously,
+    under the rows' own labels in the results table."""
+    from flashrl_kernels.trainer import ablation
+
+    monkeypatch.setattr(ablation, "train", lambda *a, **k: pytest.fail("a run started"))
+    assert cli.main(["ablate", "--out-dir", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1
+    assert [name for name, _ in ablation.ablation_configs(_train_cfg(["ablate", "--tis", "token_mask"]))] == \
+        [name for name, _ in ablation.RUNS]  # another TIS mode is the TIS rows' own

@@ -46,6 +46,13 @@ def ablation_configs(base: TrainConfig) -> list[tuple[str, TrainConfig | None]]:
     """(row name, its config, or None where it is skipped), every row's built before the first run: a row whose
     overrides do not fit the base options (GFPO's gfpo_keep 4 with group_size 4, the async rows with rollout_mode
     'sync') fails now, naming the row, not after the runs before it."""
+    # the rows set TIS on / off and the rollout mode themselves: from the base they would run mislabelled
+    if base.tis == "none":
+        raise ValueError("option tis='none': the ablation turns TIS on and off per row (its 'TIS' rows would run "
+                         "without it); leave tis at a TIS mode (the TIS rows use it)")
+    if base.is_async:
+        raise ValueError("options max_staleness / rollout_mode: the ablation chooses synchronous or asynchronous "
+                         "rollout per row (every row would run asynchronously); leave them at their defaults")
     out = []
     for i, (name, overrides) in enumerate(RUNS):
         if base.rollout_engine == "hf" and (overrides.get("rollout_quant", "bf16") != "bf16"

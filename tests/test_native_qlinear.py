@@ -197,12 +197,15 @@ _BRGEMM_ROWS_SCRIPT = r"""
 import sys, torch
 import flashrl_kernels as fk
 from flashrl_kernels.native.quantize import qlinear_capabilities
-assert qlinear_capabilities()["bf16_brgemm_min_m"] == 1, qlinear_capabilities()
+import os
+assert qlinear_capabilities()["bf16_brgemm_min_m"] == int(os.environ["FLASHRL_NATIVE_BF16_BRGEMM_MIN_M"])
 g = torch.Generator().manual_seed(21)
 cases = []
 # N off the 64-row blocks, M off the 64-token blocks and the 16-row groups of the epilogue, K off 32; an odd K
-# (no VNNI pairs) stays on the tiles
-for m, n, k in [(1, 70, 34), (15, 129, 130), (16, 64, 64), (63, 200, 96), (65, 131, 258), (130, 17, 1000), (20, 9, 33)]:
+# (no VNNI pairs) stays on the tiles; (130, 70, 4100): three 64-token blocks, one per pass over the weight at this
+# K (the int8 / fp8 rows widened again for each pass, as in prefill calls)
+for m, n, k in [(1, 70, 34), (15, 129, 130), (16, 64, 64), (63, 200, 96), (65, 131, 258), (130, 17, 1000), (20, 9, 33),
+                (130, 70, 4100)]:
     x, bias = (torch.randn(m, k, generator=g) * 2).bfloat16(), torch.randn(n, generator=g)
     w = torch.randn(n, k + 3, generator=g).bfloat16()[:, 1:k + 1]  # strided rows: the head's rows are A in place
     for b in (None, bias):
@@ -210,41 +213,45 @@ for m, n, k in [(1, 70, 34), (15, 129, 130), (16, 64, 64), (63, 200, 96), (65, 1
         for qd in (torch.int8, torch.float8_e4m3fn):
             q, s = fk.quantize_rows(w.float(), qd)
             cases.append((str(qd), x, q, s, b, torch.ops.flashrl_native.qlinear(x, q, s, b, False)))
-# an in-place write into the rows is seen by the next call (nothing of the weight is packed)
-q, s = fk.quantize_rows(torch.randn(96, 128, generator=g), torch.float8_e4m3fn)
-x = torch.randn(40, 128, generator=g).bfloat16()
-before = torch.ops.flashrl_native.qlinear(x, q, s, None, False)
-fk.quantize_rows_(torch.randn(96, 128, generator=g) * 3, q, s)
-cases.append(("synced", x, q, s, None, torch.ops.flashrl_native.qlinear(x, q, s, None, False)))
-assert not torch.equal(before, cases[-1][-1])
+# an in-place write into the rows is seen by the next call (nothing of the weight is packed or kept), one pass
+# over the weight or several
+for m, k in ((40, 128), (130, 4100)):
+    q, s = fk.quantize_rows(torch.randn(96, k, generator=g), torch.float8_e4m3fn)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    before = torch.ops.flashrl_native.qlinear(x, q, s, None, False)
+    fk.quantize_rows_(torch.randn(96, k, generator=g) * 3, q, s)
+    cases.append(("synced", x, q, s, None, torch.ops.flashrl_native.qlinear(x, q, s, None, False)))
+    assert not torch.equal(before, cases[-1][-1])
 torch.save(cases, sys.argv[1])
 """
 
 
 def test_brgemm_rows_driver_vs_float64(tmp_path):
     """oneDNN's bf16 brgemm with the weight rows as its A operand (AMX-BF16 tiles on AMX CPUs, AVX-512 BF16 code
-    here): forced for every M in a fresh process, each output checked against float64 and against the tiles."""
+    here): forced for every M in a fresh process, each output checked against float64 and against the tiles,
+    forced in another (on AMX CPUs the default process runs brgemm at every M)."""
     import os
     import subprocess
     import sys
 
     if not _caps()["bf16_dot"]:
         pytest.skip("no AVX-512 BF16 on this CPU: oneDNN's bf16 brgemm is not used here")
-    out = tmp_path / "brgemm_rows.pt"
-    env = {**os.environ, "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1"}
-    r = subprocess.run([sys.executable, "-c", _BRGEMM_ROWS_SCRIPT, str(out)], check=False, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    cases = torch.load(out)
-    assert len(cases) == 7 * 2 * 3 + 1
-    for kind, x, w, s, b, y in cases:
+    runs = {}
+    for driver, min_m in (("brgemm", "1"), ("tiles", "0")):
+        out = tmp_path / f"{driver}.pt"
+        env = {**os.environ, "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": min_m}
+        r = subprocess.run([sys.executable, "-c", _BRGEMM_ROWS_SCRIPT, str(out)], check=False, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        runs[driver] = torch.load(out)
+    assert len(runs["brgemm"]) == len(runs["tiles"]) == 8 * 2 * 3 + 2
+    for (kind, x, w, s, b, y), (*_, tiles) in zip(runs["brgemm"], runs["tiles"]):
         if kind == "bf16":
             ref = x.double() @ w.double().T + (0 if b is None else b.double())
-            tiles = torch.ops.flashrl_native.bf16_linear(x, w, b)
         else:
             ref = scaled_linear_spec(x, w, s, b, False)
-            tiles = torch.ops.flashrl_native.qlinear(x, w, s, b, False)
         _check(y, ref, torch.bfloat16)
+        _check(tiles, ref, torch.bfloat16)
         # fp32 sums in another order: the two drivers agree to a bf16 rounding of the output
         assert (y.double() - tiles.double()).abs().max() <= 8e-3 * ref.abs().max(), (kind, x.shape, w.shape)
 

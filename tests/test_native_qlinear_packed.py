@@ -154,15 +154,16 @@ def test_results_do_not_depend_on_threads():
 
 def test_brgemm_driver_equals_the_tiles(tmp_path):
     """oneDNN's brgemm on the same bytes (AMX-INT8 tiles where the CPU has them, VNNI here) gives the same
-    outputs as the tiles: forced for every M in a fresh process, compared here, where the tiles run."""
+    outputs as the tiles: each driver forced for every M in its own fresh process (on AMX CPUs the default
+    process runs brgemm from 4 tokens, so neither side is this process)."""
     if _packed().packed_w8a8_capabilities()["kernel"] != "avx512_vnni":
         pytest.skip("oneDNN's u8 x s8 brgemm reads the 64-row VNNI layout only (AVX2 builds have no brgemm driver)")
     code = textwrap.dedent("""
-        import sys, torch
+        import os, sys, torch
         from flashrl_kernels import _native
         _native.native_status(load=True)
         from flashrl_kernels.native.quantize import packed_w8a8_capabilities, quantize_rows_packed_
-        assert packed_w8a8_capabilities()["brgemm_min_m"] == 1
+        assert packed_w8a8_capabilities()["brgemm_min_m"] == int(os.environ["FLASHRL_NATIVE_BRGEMM_MIN_M"])
         g = torch.Generator().manual_seed(5)
         n, k = 192, 260
         q = torch.empty(n, k, dtype=torch.int8); s = torch.empty(n); c = torch.empty(n, dtype=torch.int32)
@@ -172,18 +173,18 @@ def test_brgemm_driver_equals_the_tiles(tmp_path):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 x, b = (torch.randn(m, k, generator=g) * 2).to(dt), torch.randn(n, generator=g)
                 cases.append((x, b, torch.ops.flashrl_native.qlinear_packed(x, q, s, c, b)))
-        torch.save({"q": q, "s": s, "c": c, "cases": cases}, sys.argv[1])
+        torch.save(cases, sys.argv[1])
     """)
-    out = tmp_path / "brgemm.pt"
-    env = {**os.environ, "FLASHRL_NATIVE_BRGEMM_MIN_M": "1"}
-    subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, timeout=600)
-    saved = torch.load(out)
-    from flashrl_kernels.native.quantize import packed_w8a8_capabilities
-
-    assert packed_w8a8_capabilities()["brgemm_min_m"] != 1  # this process runs the tiles
-    q, s, c = saved["q"], saved["s"], saved["c"]
-    for x, b, y_brgemm in saved["cases"]:
-        assert torch.equal(torch.ops.flashrl_native.qlinear_packed(x, q, s, c, b), y_brgemm), (x.shape, x.dtype)
+    runs = {}
+    for driver, min_m in (("brgemm", "1"), ("tiles", "0")):
+        out = tmp_path / f"{driver}.pt"
+        env = {**os.environ, "FLASHRL_NATIVE_BRGEMM_MIN_M": min_m}
+        subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, timeout=600)
+        runs[driver] = torch.load(out)
+    assert len(runs["brgemm"]) == len(runs["tiles"]) == 18
+    for (x, _, y_brgemm), (x_t, _, y_tiles) in zip(runs["brgemm"], runs["tiles"]):
+        assert torch.equal(x, x_t)
+        assert torch.equal(y_tiles, y_brgemm), (x.shape, x.dtype)
 
 
 _EMULATED_AVX_VNNI = textwrap.dedent("""

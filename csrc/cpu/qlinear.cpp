@@ -78,10 +78,10 @@ constexpr float kZeroRowAmax = 0x1p-100f;
 constexpr int64_t kPrefetchBlocks = 4;
 constexpr int64_t kPrefetchTiles = 3;  // token tiles of a row block that prefetch (see drive512)
 // tokens from which bf16-activation calls run oneDNN's brgemm (drive_brgemm_rows), by CPU class (docs/native.md):
-// AMX-BF16 from 8 (a prediction: 8 tokens use half of a tile's 16 columns, still several times the MACs per cycle
-// of vdpbf16ps; not yet measured on an AMX machine); AVX-512 BF16 without AMX never (measured on an Emerald Rapids
-// VM with AMX hidden: 1.5-2.2x slower at 8 tokens, where a 16-lane vector holds 8 tokens; even from 16 to 256)
-constexpr int64_t kBrgemmBf16MinMAmx = 8;
+// AMX-BF16 from 1 (measured on an Emerald Rapids VM with AMX: fp8 layers 0.85-0.93x the tiles' time at 1 token,
+// 0.55x at 8, 0.22-0.26x from 32; the bf16 head 0.76-1.07x at 1, even at 4, 0.65x at 8); AVX-512 BF16 without AMX
+// never (the same CPU with AMX hidden: 1.5-2.2x slower at 8 tokens, where a 16-lane vector holds 8 tokens)
+constexpr int64_t kBrgemmBf16MinMAmx = 1;
 constexpr int64_t kBrgemmBf16MinMNoAmx = 0;
 
 

@@ -21,7 +21,7 @@
 //           once per 4 tokens (decode: from memory; prefill: tokens in chunks whose codes stay in L2, the block
 //           re-read from L2 by every 4 tokens of the chunk);
 //   brgemm: oneDNN's u8 x s8 batch-reduce GEMM (ATen's cpublas::brgemm, ld_b = 64), which runs AMX-INT8 tiles on
-//           CPUs that have them; taken for M >= FLASHRL_NATIVE_BRGEMM_MIN_M (default: 32 on AMX CPUs, never
+//           CPUs that have them; taken for M >= FLASHRL_NATIVE_BRGEMM_MIN_M (default: 4 on AMX CPUs, never
 //           elsewhere, where the tiles are faster; docs/native.md).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -88,7 +88,7 @@ const PackedConfig& config() {
     r.amx = cpu_has("amx") && at::cpu::init_amx();
 #endif
 #if defined(CPUBLAS_BRGEMM_U8I8I32)
-    if (r.vnni) r.brgemm_min_m = env_int("FLASHRL_NATIVE_BRGEMM_MIN_M", r.amx ? 32 : 0);  // the 64-row layout only
+    if (r.vnni) r.brgemm_min_m = env_int("FLASHRL_NATIVE_BRGEMM_MIN_M", r.amx ? 4 : 0);  // the 64-row layout only
 #endif
     return r;
   }();

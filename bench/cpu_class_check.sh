@@ -15,7 +15,8 @@
 #   3. bench/cpu_linear_dispatch.py: tiles vs oneDNN brgemm per token count -> kBrgemmBf16MinMAmx (qlinear.cpp)
 #      and the `r.amx ? 32 : 0` brgemm threshold (qlinear_packed.cpp) on AMX; the AVX-VNNI tiles on AVX2 builds
 #   4. bench/cpu_int8_modes.py: weight-only vs W8A8 per token count (the plugin's activation_quant="auto")
-#   5. bench/int8_isa_ceiling.c: each int8 instruction mix's ceiling on one core (and the clock)
+#   5. bench/int8_isa_ceiling.c: each int8 instruction mix's ceiling on one core (and the clock); on AMX CPUs
+#      bench/amx_tile_ceiling.c: the tiles' own (tdpbusd, tdpbf16ps), what the brgemm drivers are read against
 #   6. the rollout bench beside vLLM's own W8A8 engine: decode8 / decode32 / prefill, with the bandwidth bound
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +75,9 @@ step linear_dispatch "$PY" bench/cpu_linear_dispatch.py "${lin[@]}" --json "$out
 step int8_modes "$PY" bench/cpu_int8_modes.py "${modes[@]}" --json "$out/int8_modes.json"
 if command -v gcc >/dev/null; then
   step isa_ceiling bash -c "gcc -O2 bench/int8_isa_ceiling.c -o /tmp/int8_isa_ceiling && /tmp/int8_isa_ceiling"
+  if grep -q -w amx_int8 /proc/cpuinfo; then
+    step amx_ceiling bash -c "gcc -O2 bench/amx_tile_ceiling.c -o /tmp/amx_tile_ceiling && taskset -c 0 /tmp/amx_tile_ceiling"
+  fi
 fi
 step rollout "$PY" -m flashrl_kernels.cli bench --op rollout --engines bf16,vllm_w8a8,flashrl_int8,flashrl_fp8 \
   "${roll[@]}" --json "$out/rollout.json"

@@ -501,7 +501,8 @@ def test_actor_training_step_equals_openrlhfs(tiny_ckpt, monkeypatch, case):
     # at the size of OpenRLHF's own bf16-logits rounding (an Emerald Rapids guest with AMX: grad norm 1.0 %,
     # per-tensor update cosine down to 0.9957 against the fp32 reference)
     monkeypatch.delenv(GEMM_DTYPE_ENV, raising=False)
-    bf16_gemms = fused and not widen_cpu_gemm(torch.bfloat16, torch.device("cpu"))
+    fast_bf16 = not widen_cpu_gemm(torch.bfloat16, torch.device("cpu"))
+    bf16_gemms = fused and fast_bf16
     monkeypatch.setenv(GEMM_DTYPE_ENV, "fp32")
     args = sc.trainer_args(**kwargs)
     results = {}
@@ -537,9 +538,9 @@ def test_actor_training_step_equals_openrlhfs(tiny_ckpt, monkeypatch, case):
         assert m1[k] == pytest.approx(mr[k], rel=2e-3, abs=1e-5), k
     cosines, moved = update_cosines(init, wr, w1)
     for n, cos, ratio in cosines:
-        # 0.999 on the AVX2 EPYC; on the AMX Xeon (torch's bf16 backward through AMX tiles) the first layer's norm
-        # weight, the tensor furthest from the loss, reached 0.9986 with every flashrl GEMM in fp32
-        assert cos > 0.998 and abs(ratio - 1) < 0.01, (n, cos, ratio)
+        # where torch's own bf16 backward runs AVX-512 BF16 / AMX code, the first layer's norm weight, the tensor
+        # furthest from the loss, reached 0.9986 with every flashrl GEMM in fp32 (an Emerald Rapids guest with AMX)
+        assert cos > (0.998 if fast_bf16 else 0.999) and abs(ratio - 1) < 0.01, (n, cos, ratio)
     assert moved >= len(wr) // 2  # the step moved most weights: the comparison above is not vacuous
     if fused:  # OpenRLHF's own bf16-logits step: the same step up to the logits' rounding
         for k in m0:

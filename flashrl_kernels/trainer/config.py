@@ -280,7 +280,7 @@ class TrainConfig:
                 task = ArithmeticTask(max_operand=self.max_operand, ops=self.ops, n_eval=self.n_eval, seed=self.seed)
         except ValueError as exc:
             raise ValueError(f"option {exc}") from None
-        n_train = task.n_train if self.task == "chain" else len(self.ops) * self.max_operand**2 - self.n_eval
+        n_train = task.n_train
         if self.prompts_per_step > n_train:
             raise ValueError(f"option prompts_per_step ({self.prompts_per_step}) exceeds the {n_train} problems of "
                              f"the train split (task {self.task!r}, max_operand {self.max_operand}, n_eval {self.n_eval})")

@@ -47,6 +47,10 @@ class ArithmeticTask:
         if not 0 < self.n_eval < total // 2:
             raise ValueError(f"n_eval must be in (0, {total // 2}) for this task size, got {self.n_eval}")
 
+    @property
+    def n_train(self) -> int:
+        return len(self.ops) * self.max_operand**2 - self.n_eval
+
     def all_problems(self) -> list[Problem]:
         out = []
         for op in self.ops:

@@ -80,9 +80,10 @@ constexpr int64_t kPrefetchTiles = 3;  // token tiles of a row block that prefet
 // tokens from which bf16-activation calls run oneDNN's brgemm (drive_brgemm_rows), by CPU class (docs/native.md):
 // AMX-BF16 from 1 (measured on an Emerald Rapids VM with AMX: fp8 layers 0.85-0.93x the tiles' time at 1 token,
 // 0.55x at 8, 0.22-0.26x from 32; the bf16 head 0.76-1.07x at 1, even at 4, 0.65x at 8); AVX-512 BF16 without AMX
-// never (the same CPU with AMX hidden: 1.5-2.2x slower at 8 tokens, where a 16-lane vector holds 8 tokens)
+// from 128 (prefill): at 1-16 tokens 1.5-2.2x slower (a 16-lane vector of B holds that few tokens; the same
+// Xeon with AMX hidden), from 128 0.87-0.95x the tiles' time (Zen 4: fp8 layers and the head, 128-2048 tokens)
 constexpr int64_t kBrgemmBf16MinMAmx = 1;
-constexpr int64_t kBrgemmBf16MinMNoAmx = 0;
+constexpr int64_t kBrgemmBf16MinMNoAmx = 128;
 
 
 template <typename T>

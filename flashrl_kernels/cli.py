@@ -112,7 +112,7 @@ def _standalone_module(name: str):
 def _rollout_options_given(args) -> list[str]:
     """The --op rollout options given on this command line (those whose value is not the parser's default)."""
     given = [f"--{name.replace('_', '-')}" for name in ("layers", "hidden", "engines", "kv_cache_dtype", "cases",
-                                                       "quant_options")
+                                                       "quant_options", "profile")
              if getattr(args, name) is not None]
     if args.interleave is not None:
         given.append("--interleave" if args.interleave else "--no-interleave")
@@ -390,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--quant-options", default=None, metavar="JSON",
                     help="options for the flashrl engines, passed as hf_overrides={'quantization_config_dict_json': "
                          "JSON}, e.g. '{\"activation_quant\": \"dynamic\"}'")
+    ro.add_argument("--profile", type=_positive_int, default=None, metavar="N",
+                    help="after the timed runs, one more generate per engine and case under torch.profiler: its N "
+                         "costliest ops by self CPU time (in-process engines; also in --json)")
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="a short GRPO run of the reference trainer: INT8 rollout + TIS (CPU, minutes)")

@@ -64,6 +64,11 @@ def test_rollout_bad_arguments_exit_2(capsys):
     assert cli.main(["bench", "--op", "rollout", "--engines", "bf16,int4"]) == 2
     assert "int4" in capsys.readouterr().err
     assert cli.main(["bench", "--op", "rollout", "--cases", "decode8", "--quant-options", "{not json"]) == 2
+    assert cli.main(["bench", "--op", "rollout", "--engine-mode", "mp", "--profile", "5"]) == 2
+    assert "--profile: in-process engines only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # a positive count, refused by the parser
+        cli.main(["bench", "--op", "rollout", "--profile", "0"])
+    assert exc.value.code == 2
 
 
 def test_bench_refuses_options_no_op_of_the_run_reads(monkeypatch, capsys):
@@ -74,7 +79,7 @@ def test_bench_refuses_options_no_op_of_the_run_reads(monkeypatch, capsys):
     assert cli.main(["bench", "--op", "gae", "--layers", "2", "--engines", "int4", "--no-eager"]) == 2
     assert "--layers, --engines: not used by --op gae" in capsys.readouterr().err
     for flags in (["--hidden", "128"], ["--eager"], ["--engine-mode", "tp2"], ["--no-interleave"],
-                  ["--cases", "prefill"], ["--kv-cache-dtype", "auto"], ["--quant-options", "{}"]):
+                  ["--cases", "prefill"], ["--kv-cache-dtype", "auto"], ["--quant-options", "{}"], ["--profile", "3"]):
         assert cli.main(["bench", "--op", "quantize", *flags]) == 2, flags
         assert flags[0] in capsys.readouterr().err
         assert cli.main(["bench", *flags]) == 2, flags  # the default run has no rollout either
@@ -117,11 +122,26 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     out = tmp_path / "rollout.json"
     env = dict(os.environ, FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
     cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
-           "--repeats", "1", "--engines", "bf16,vllm_w8a8,flashrl_int8", "--eager", "--json", str(out)]
+           "--repeats", "1", "--engines", "bf16,vllm_w8a8,flashrl_int8", "--eager", "--profile", "8",
+           "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     meta, rows = data["meta"], data["rows"]
+    # --profile 8: one profiled generate per engine and case, its 8 costliest host ops
+    assert set(meta["profiles"]) == {"bf16", "vllm_w8a8", "flashrl_int8"}
+    for engine, cases in meta["profiles"].items():
+        assert set(cases) == {"decode8", "prefill"}, engine
+        for p in cases.values():
+            assert len(p["top"]) == 8 and 0 < p["top"][0]["self_ms"] <= p["self_ms_total"], p
+            assert [o["self_ms"] for o in p["top"]] == sorted((o["self_ms"] for o in p["top"]), reverse=True)
+    # the flashrl engine's 151936-row LM head is among its costliest ops; the bf16 engine runs no flashrl op
+    from flashrl_kernels import _backend
+
+    if _backend.native_built():
+        assert any(o["op"].startswith("flashrl") for o in meta["profiles"]["flashrl_int8"]["decode8"]["top"])
+    assert not any(o["op"].startswith("flashrl") for o in meta["profiles"]["bf16"]["decode8"]["top"])
+    assert "profile flashrl_int8 decode8: one generate" in proc.stdout
     assert meta["layers"] == 1 and meta["hidden"] == 128 and meta["vllm"] and meta["torch"]
     assert meta["engine_mode"] == "inproc" and meta["interleave"] is True  # both engines alive, timed in turn
     assert "threads" in meta and "device" in meta

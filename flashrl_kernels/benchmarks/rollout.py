@@ -63,6 +63,9 @@ median time; prefill tokens/s = prompt tokens processed / median time (the one g
 not counted). "x vs bf16" = tokens/s / the bf16 engine's tokens/s for the same case. "engine start s": the
 `vllm.LLM(...)` call; the first engine built (bf16 when it runs) also pays vLLM's one-time set-up in the process
 (seconds: 6.6 s against 0.6-0.7 s for the next engines in a `--quick --eager` run), so it is no comparison.
+`--profile N` (in-process engines): after the timed runs, one more generate per engine and case under
+torch.profiler, and its N costliest ops by self CPU time (the linears, the head, attention, the sampler, the
+compiled graph), printed after the table and kept in --json: where a step's time goes when two engines differ.
 
 Accuracy (columns "KL est.", "mean|dlogp|", "max|dlogp|"): the completions the bf16 engine sampled in its first
 timed decode8 run (if decode8 is not among --cases, in one extra untimed decode8 run) are scored by every engine
@@ -366,6 +369,34 @@ def _generate(llm, prompts, spec: CaseSpec, max_tokens: int | None = None):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
 
 
+def profile_generate(llm, prompts, spec: CaseSpec, top: int) -> dict:
+    """One untimed generate of a case under torch.profiler (this process's host ops, which for an in-process CPU
+    engine is the whole step): the `top` ops by self CPU time, and the total."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        _generate(llm, prompts, spec)
+        wall = time.perf_counter() - t0
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    ops = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in events[:top]]
+    return {"wall_ms": wall * 1e3, "self_ms_total": sum(e.self_cpu_time_total for e in events) / 1e3, "top": ops}
+
+
+def format_profiles(profiles: dict) -> str:
+    """One block per engine and case: its top ops by self CPU time, ms and share of the profiled generate."""
+    out = []
+    for engine, cases in profiles.items():
+        for name, p in cases.items():
+            out.append(f"profile {engine} {name}: one generate, {p['wall_ms']:.0f} ms wall (under the profiler), "
+                       f"{p['self_ms_total']:.0f} ms self CPU in all ops")
+            for o in p["top"]:
+                share = o["self_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
+                out.append(f"  {o['self_ms']:9.1f} ms {share:6.1%} {o['calls']:7d} calls  {o['op'][:90]}")
+    return "\n".join(out)
+
+
 def run(args) -> tuple[dict, list[Row]]:
     """Build the checkpoint, run every engine and case; returns (header, rows)."""
     quick = bool(getattr(args, "quick", False))
@@ -377,6 +408,7 @@ def run(args) -> tuple[dict, list[Row]]:
     eager = bool(getattr(args, "eager", False))
     quant_options = getattr(args, "quant_options", None)
     interleave = getattr(args, "interleave", None)
+    profile_top = getattr(args, "profile", None) or 0
     if quant_options is not None:
         json.loads(quant_options)  # a clear error here rather than deep inside vLLM
     engines = sorted(engines, key=lambda e: e != "bf16")  # bf16 first: the reference for ratios and KL
@@ -409,6 +441,8 @@ def run(args) -> tuple[dict, list[Row]]:
     ckpt = build_checkpoint(checkpoint_dir(os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"), cfg),
                             cfg)
     head["checkpoint"] = str(ckpt)
+    if mode != "inproc" and profile_top:
+        raise ValueError("--profile: in-process engines only (--engine-mode inproc): the profiler sees this process")
     if mode != "inproc" and "vllm_w8a8_sgl" in engines:
         raise ValueError("--engines vllm_w8a8_sgl: in-process engines only (--engine-mode inproc)")
     if {"vllm_w8a8", "vllm_w8a8_sgl"} & set(engines):
@@ -504,6 +538,15 @@ def run(args) -> tuple[dict, list[Row]]:
             for r in engine_rows:
                 r.error = (r.error + "; " if r.error else "") + f"scoring: {_err(exc)}"
 
+    def profile(llm, engine: str) -> None:
+        for name in names:
+            bar.set_postfix_str(f"{engine}: profiling {name}")
+            try:
+                head.setdefault("profiles", {}).setdefault(engine, {})[name] = profile_generate(
+                    llm, prompts[name], specs[name], profile_top)
+            except Exception as exc:
+                row_of(engine, name).error = f"profile: {_err(exc)}"
+
     if interleave:  # all engines alive; every repeat of a case runs each engine once, in turn
         live = {label: start(label) for label in variants}
         for name in names:
@@ -514,6 +557,8 @@ def run(args) -> tuple[dict, list[Row]]:
         for engine, llm in live.items():
             if llm is not None:
                 score(llm, engine)
+                if profile_top:
+                    profile(llm, engine)
         for llm in live.values():
             if llm is not None:
                 _shutdown(llm)
@@ -528,6 +573,8 @@ def run(args) -> tuple[dict, list[Row]]:
                 for rep in range(repeats):
                     time_once(llm, engine, name, rep)
             score(llm, engine)
+            if profile_top:
+                profile(llm, engine)
             _shutdown(llm)
             del llm
             gc.collect()
@@ -623,6 +670,8 @@ def main(args) -> int:
         print(f"flashrl-kernels bench --op rollout: {exc}", file=sys.stderr)
         return 2
     print(format_table(rows))
+    if head.get("profiles"):
+        print(format_profiles(head["profiles"]))
     path = getattr(args, "json", None)
     if path:
         with open(path, "w") as f:

@@ -64,8 +64,13 @@ def test_rollout_bad_arguments_exit_2(capsys):
     assert cli.main(["bench", "--op", "rollout", "--engines", "bf16,int4"]) == 2
     assert "int4" in capsys.readouterr().err
     assert cli.main(["bench", "--op", "rollout", "--cases", "decode8", "--quant-options", "{not json"]) == 2
+    before = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")}
     assert cli.main(["bench", "--op", "rollout", "--engine-mode", "mp", "--profile", "5"]) == 2
     assert "--profile: in-process engines only" in capsys.readouterr().err
+    assert cli.main(["bench", "--op", "rollout", "--engine-mode", "tp2", "--engines", "vllm_w8a8_sgl"]) == 2
+    # a refused run leaves the process as it found it: this one once set VLLM_ENABLE_V1_MULTIPROCESSING=1 before
+    # refusing, and every later in-process engine of the test session started multi-process
+    assert {k: os.environ.get(k) for k in before} == before
     with pytest.raises(SystemExit) as exc:  # a positive count, refused by the parser
         cli.main(["bench", "--op", "rollout", "--profile", "0"])
     assert exc.value.code == 2

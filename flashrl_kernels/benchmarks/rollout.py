@@ -422,6 +422,11 @@ def run(args) -> tuple[dict, list[Row]]:
     mode = getattr(args, "engine_mode", None) or "inproc"
     if mode not in ENGINE_MODES:
         raise ValueError(f"--engine-mode: unknown {mode}; choose from {','.join(ENGINE_MODES)}")
+    if mode != "inproc" and profile_top:
+        raise ValueError("--profile: in-process engines only (--engine-mode inproc): the profiler sees this process")
+    if mode != "inproc" and "vllm_w8a8_sgl" in engines:
+        raise ValueError("--engines vllm_w8a8_sgl: in-process engines only (--engine-mode inproc)")
+    # (every argument is checked above this line: a refused run leaves this process's environment as it was)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "inproc" else "1"
     if interleave is None:  # idle multi-process engines still hold their processes and thread bindings
         interleave = mode == "inproc"
@@ -441,10 +446,6 @@ def run(args) -> tuple[dict, list[Row]]:
     ckpt = build_checkpoint(checkpoint_dir(os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"), cfg),
                             cfg)
     head["checkpoint"] = str(ckpt)
-    if mode != "inproc" and profile_top:
-        raise ValueError("--profile: in-process engines only (--engine-mode inproc): the profiler sees this process")
-    if mode != "inproc" and "vllm_w8a8_sgl" in engines:
-        raise ValueError("--engines vllm_w8a8_sgl: in-process engines only (--engine-mode inproc)")
     if {"vllm_w8a8", "vllm_w8a8_sgl"} & set(engines):
         head["w8a8_checkpoint"] = str(w8a8_checkpoint(ckpt))
     prompts = {n: make_prompts(specs[n], cfg["vocab"]) for n in set(names) | {"decode8"}}

@@ -95,6 +95,8 @@ def _bf16_activation_line() -> str:
     if not caps["vector"]:
         return "FP8 / bf16-head linear: portable build (ATen)"
     kernel = "vdpbf16ps tiles" if caps["bf16_dot"] else "fp32 FMA tiles (no AVX-512 BF16)"
+    if caps["bf16_dot"]:
+        kernel += ", fp8 widened by " + ("VBMI byte tables" if caps["fp8_byte_tables"] else "word tables (no AVX-512 VBMI)")
     if caps["bf16_brgemm_min_m"]:
         unit = "AMX-BF16 tiles" if caps["amx_bf16"] else "AVX-512 BF16"
         kernel += f"; oneDNN brgemm ({unit}) from {caps['bf16_brgemm_min_m']} tokens"

@@ -327,6 +327,44 @@ def test_avx512_fallbacks_without_bf16_and_vnni():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]
 
 
+_FP8_WIDENING_SCRIPT = """
+import sys, torch
+import flashrl_kernels as fk
+from flashrl_kernels.native.quantize import qlinear_capabilities
+g = torch.Generator().manual_seed(5)
+outs = []
+# decode tiles (M <= 4, 5..8), the widened scratch (9..127), brgemm rows (128+ on AVX-512 BF16 CPUs, every M with AMX);
+# K: one 64-weight step, 64-steps plus a 32-step plus a tail, Qwen2.5-0.5B's hidden and down sizes
+for m, n, k in [(1, 7, 64), (4, 9, 130), (5, 6, 254), (8, 33, 896), (20, 5, 4864), (130, 9, 896)]:
+    q, s = fk.quantize_rows(torch.randn(n, k, generator=g), torch.float8_e4m3fn)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    outs.append(torch.ops.flashrl_native.qlinear(x, q, s, torch.randn(n, generator=g), False))
+torch.save((qlinear_capabilities()["fp8_byte_tables"], outs), sys.argv[1])
+"""
+
+
+def test_fp8_byte_and_word_table_widenings_agree(tmp_path):
+    """fp8 rows widen to bf16 by byte tables on AVX-512 VBMI CPUs and by word tables on the other BF16 CPUs (Cooper
+    Lake; hidden here by FLASHRL_NATIVE_CPU_DISABLE): both exact, same dot-product order, so bit-identical outputs."""
+    import os
+    import subprocess
+    import sys
+
+    if not _caps()["fp8_byte_tables"]:
+        pytest.skip("no AVX-512 VBMI + BF16 here: only the word-table widening runs")
+    runs = {}
+    for name, hide in (("bytes", ""), ("words", "avx512vbmi")):
+        env = {**os.environ, "FLASHRL_NATIVE_CPU_DISABLE": hide}
+        path = tmp_path / f"{name}.pt"
+        r = subprocess.run([sys.executable, "-c", _FP8_WIDENING_SCRIPT, str(path)], check=False, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        runs[name] = torch.load(path)
+    assert runs["bytes"][0] is True and runs["words"][0] is False
+    for a, b in zip(runs["bytes"][1], runs["words"][1]):
+        assert torch.equal(a, b)
+
+
 def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path):
     """bench/cpu_linear_dispatch.py (how a session sets the brgemm thresholds of a CPU class, or compares the AVX2
     build's vpmaddwd and AVX-VNNI tiles): a tiny real run, and its threshold rule."""

@@ -1,9 +1,9 @@
 // Run-time CPU extension checks of the native quantized linears (qlinear.cpp, qlinear_packed.cpp).
 //
 // The library is built for the CPU capability torch dispatches to (AVX-512 or AVX2, see
-// flashrl_kernels/_native.py); the extensions beyond it (AVX-512 VNNI / BF16, AMX-INT8) are used from
+// flashrl_kernels/_native.py); the extensions beyond it (AVX-512 VNNI / BF16 / VBMI, AMX-INT8) are used from
 // functions compiled for them and reached only when the CPU has them.
-// FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni,avxvnni,amx hides extensions (to test and time the fallbacks).
+// FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni,avx512vbmi,avxvnni,amx hides extensions (to test and time the fallbacks).
 #pragma once
 
 #include <cstdint>
@@ -30,7 +30,7 @@ inline int64_t env_int(const char* name, int64_t fallback) {
   return (end && *end == '\0' && r >= 0) ? static_cast<int64_t>(r) : fallback;
 }
 
-// "avx512bf16", "avx512vnni", "avxvnni" (AVX-VNNI: VEX-encoded vpdpbusd on ymm, Alder Lake and later client
+// "avx512bf16", "avx512vnni", "avx512vbmi", "avxvnni" (AVX-VNNI: VEX-encoded vpdpbusd on ymm, Alder Lake and later client
 // cores, Sierra Forest; no AVX-512 needed), "amx" (AMX-TILE and AMX-INT8) or "amx_bf16" (AMX-TILE and AMX-BF16)
 inline bool cpu_has(const char* what) {
   if (cpu_feature_disabled(std::strcmp(what, "amx_bf16") == 0 ? "amx" : what)) return false;  // "amx": all AMX
@@ -38,6 +38,7 @@ inline bool cpu_has(const char* what) {
   __builtin_cpu_init();
   if (std::strcmp(what, "avx512bf16") == 0) return __builtin_cpu_supports("avx512bf16");
   if (std::strcmp(what, "avx512vnni") == 0) return __builtin_cpu_supports("avx512vnni");
+  if (std::strcmp(what, "avx512vbmi") == 0) return __builtin_cpu_supports("avx512vbmi");
   if (std::strcmp(what, "avxvnni") == 0) {  // CPUID.(7,1):EAX bit 4 (read directly: older compilers lack the name)
     unsigned a = 0, b = 0, c = 0, d = 0;
     return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1u) && __builtin_cpu_supports("avx2");

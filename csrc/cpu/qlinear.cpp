@@ -27,7 +27,8 @@
 //   DEFAULT (portable) builds: scalar loops (the Python side prefers ATen there).
 // FP8 e4m3fn widens to value * 2^-8 (the 2^8 goes into the row scale): to fp32 through fp16 (its bits shifted
 // into an fp16, subnormals included, which vcvtph2ps converts exactly), to bf16 by a 128-entry table held in
-// registers (wload_bf16).
+// registers (wload_bf16; on AVX-512 VBMI CPUs 64 weights at a time by byte tables, wload64_bf16, with the tiles
+// that use it compiled twice: bf16_row_tiles.h).
 // Lanes run along K, so every (m, n) needs one horizontal sum at the end of its row. AVX-512 tiles are 4
 // tokens x 4 weight rows, whose 16 sums one transposing tree (hsum16) puts in one vector, so the epilogue
 // is vector code; AVX2 / portable tiles are up to 4 x 2 with a scalar epilogue. See docs/native.md.
@@ -286,11 +287,46 @@ FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const fp8* p) {
   return (__m512bh)_mm512_ternarylogic_epi32(r, w, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
 }
 
+// e4m3 -> bf16 by byte tables (AVX-512 VBMI): the high and the low byte of the same 128 entries, each looked up
+// for 64 weights by one two-register byte permute, the sign put into the high bytes, and the two byte vectors
+// interleaved into k order by two more byte permutes: 5 vector ops per 64 weights against wload_bf16's 12.
+// Measured on Zen 4: the fp8 layers at 1-4 tokens 0.82x the time, at 8 0.95x (docs/native.md).
+struct Fp8Bf16ByteTables {
+  uint8_t hi[128], lo[128], even[64], odd[64];  // even / odd: interleave (lo, hi) bytes 0..31 / 32..63
+  constexpr Fp8Bf16ByteTables() : hi(), lo(), even(), odd() {
+    for (int c = 0; c < 128; ++c) {
+      hi[c] = static_cast<uint8_t>(kFp8Bf16.bits[c] >> 8);
+      lo[c] = static_cast<uint8_t>(kFp8Bf16.bits[c] & 0xFF);
+    }
+    for (int i = 0; i < 32; ++i) {
+      even[2 * i] = static_cast<uint8_t>(i);
+      even[2 * i + 1] = static_cast<uint8_t>(64 + i);
+      odd[2 * i] = static_cast<uint8_t>(32 + i);
+      odd[2 * i + 1] = static_cast<uint8_t>(96 + i);
+    }
+  }
+};
+alignas(64) constexpr Fp8Bf16ByteTables kFp8Bf16Bytes{};
+
+#define FLASHRL_BF16_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")))
+// 64 e4m3 weights -> bf16 of value * 2^-8, k 0..31 in a and 32..63 in b (exact, as wload_bf16)
+FLASHRL_BF16_VBMI_TARGET inline void wload64_bf16(const fp8* p, __m512bh& a, __m512bh& b) {
+  const __m512i w = _mm512_loadu_si512(p);  // the permutes read index bits 6..0: the magnitude
+  const __m512i hi = _mm512_ternarylogic_epi32(
+      _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Bf16Bytes.hi), w, _mm512_load_si512(kFp8Bf16Bytes.hi + 64)), w,
+      _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | (w & 0x80)
+  const __m512i lo =
+      _mm512_permutex2var_epi8(_mm512_load_si512(kFp8Bf16Bytes.lo), w, _mm512_load_si512(kFp8Bf16Bytes.lo + 64));
+  a = (__m512bh)_mm512_permutex2var_epi8(lo, _mm512_load_si512(kFp8Bf16Bytes.even), hi);
+  b = (__m512bh)_mm512_permutex2var_epi8(lo, _mm512_load_si512(kFp8Bf16Bytes.odd), hi);
+}
+
 // ------------------------------------------------------------------ W8A8 int8, VNNI
 #define FLASHRL_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // cpu_has (cpu_features.h): FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni hides them
 const bool kHasBf16 = cpu_has("avx512bf16");
+const bool kHasFp8Bytes = kHasBf16 && cpu_has("avx512vbmi");  // wload64_bf16 (every BF16 CPU but Cooper Lake)
 const bool kHasVnni = cpu_has("avx512vnni");
 const bool kHasW8A8 = kHasVnni;  // AVX-512 builds: vpdpbusd (AVX-512 without VNNI emulates W8A8 on the fp32 tiles)
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -458,7 +494,7 @@ void run_w8a8_avx2(const at::Tensor& x, const int8_t* w, int64_t ldw, int64_t N,
 // never stored.
 
 // weight rows widened once per tile row-block into an L1/L2 scratch (value * kVecWeightFactor, exact), so
-// that every token tile after the first multiplies without converting again
+// that every token tile after the first multiplies without converting again (bf16: bf16_row_tiles.h)
 template <typename Q>
 inline void widen_row_f32(const Q* w, int64_t K, float* dst, int64_t pf) {
   int64_t k = 0;
@@ -467,15 +503,6 @@ inline void widen_row_f32(const Q* w, int64_t K, float* dst, int64_t pf) {
     _mm512_storeu_ps(dst + k, wload(w + k));
   }
   for (; k < K; ++k) dst[k] = to_f32(w[k]) * kVecWeightFactor<Q>;
-}
-template <typename Q>
-FLASHRL_BF16_TARGET inline void widen_row_bf16(const Q* w, int64_t K, c10::BFloat16* dst, int64_t pf) {
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    if (pf && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + pf, FLASHRL_PREFETCH_HINT);
-    _mm512_storeu_si512(dst + k, (__m512i)wload_bf16(w + k));
-  }
-  for (; k < K; ++k) dst[k] = c10::BFloat16(to_f32(w[k]) * kVecWeightFactor<Q>);
 }
 
 // the 16 dot products of a 4 x 4 tile over the last K - k < one vector of columns, scalar (lane 4 m + j)
@@ -638,6 +665,55 @@ void drive512(int64_t M, int64_t N, int64_t K, const X* x, int64_t ldx, const fl
   }
 }
 
+// ------------------------------------------------------------------ bf16 rows widened from int8 / fp8
+// 32 weights of row w from k (fewer at the tail, zero past K), widened to bf16 (times kVecWeightFactor)
+template <typename Q>
+FLASHRL_BF16_TARGET inline __m512bh wload_bf16_tail(const Q* w, int64_t k, int64_t K) {
+  alignas(64) Q buf[32] = {};
+  for (int64_t t = k; t < K; ++t) buf[t - k] = w[t];
+  return wload_bf16(buf);
+}
+FLASHRL_BF16_TARGET inline __m512bh xload_bf16(const c10::BFloat16* x, int64_t k, int64_t K, bool tail) {
+  if (!tail) return (__m512bh)_mm512_loadu_si512(x + k);
+  return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1), x + k);
+}
+
+// two copies of bf16_row_tiles.h: fp8 widened by word tables (any AVX-512 BF16 CPU) or by byte tables (VBMI too)
+namespace bf16_word_tiles {
+#define FLASHRL_TILES_TARGET FLASHRL_BF16_TARGET
+#define FLASHRL_TILES_TARGET_STR target("avx512f,avx512bw,avx512vl,avx512bf16")
+#define FLASHRL_TILES_FP8_BYTES 0
+#include "bf16_row_tiles.h"
+#undef FLASHRL_TILES_TARGET
+#undef FLASHRL_TILES_TARGET_STR
+#undef FLASHRL_TILES_FP8_BYTES
+}  // namespace bf16_word_tiles
+namespace bf16_byte_tiles {
+#define FLASHRL_TILES_TARGET FLASHRL_BF16_VBMI_TARGET
+#define FLASHRL_TILES_TARGET_STR target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")
+#define FLASHRL_TILES_FP8_BYTES 1
+#include "bf16_row_tiles.h"
+#undef FLASHRL_TILES_TARGET
+#undef FLASHRL_TILES_TARGET_STR
+#undef FLASHRL_TILES_FP8_BYTES
+}  // namespace bf16_byte_tiles
+
+template <typename Q>
+inline void widen_row_bf16(const Q* w, int64_t K, c10::BFloat16* dst, int64_t pf) {
+  if constexpr (std::is_same_v<Q, fp8>) {
+    if (kHasFp8Bytes) return bf16_byte_tiles::widen_row_bf16(w, K, dst, pf);
+  }
+  bf16_word_tiles::widen_row_bf16(w, K, dst, pf);
+}
+template <typename Q>
+void drive_decode_bf16(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx, const Q* w, int64_t ldw,
+                       const float* scale, const float* bias, c10::BFloat16* y) {
+  if constexpr (std::is_same_v<Q, fp8>) {
+    if (kHasFp8Bytes) return bf16_byte_tiles::drive_decode_bf16(M, N, K, x, ldx, w, ldw, scale, bias, y);
+  }
+  bf16_word_tiles::drive_decode_bf16(M, N, K, x, ldx, w, ldw, scale, bias, y);
+}
+
 // row loaders for drive512
 template <typename W>
 struct StoredRows {  // the stored rows themselves (int8 for W8A8, bf16 for a plain bf16 weight)
@@ -679,120 +755,6 @@ struct WidenedRows {  // rows widened to W (fp32 or bf16) into a per-task scratc
     }
   }
 };
-
-// ------------------------------------------------------------------ weight-only decode (M <= 8), bf16 dots
-// Widening through a scratch (WidenedRows) stores every widened vector and loads it back per token tile, and
-// its widening loop cannot overlap the dot products of the tiles. At decode sizes the dot products are few
-// enough that this doubled the kernel's time (fp8, 8 tokens). These tiles widen the stored rows in registers
-// inside the dot-product loop: for M <= 4 one 4 x 4 tile; for 4 < M <= 8 two passes over K per row block,
-// each widening 2 rows once for all 8 tokens (16 accumulators). K's tail goes through zero-padded copies.
-
-// 32 weights of row w from k (fewer at the tail, zero past K), widened to bf16 (times kVecWeightFactor)
-template <typename Q>
-FLASHRL_BF16_TARGET inline __m512bh wload_bf16_tail(const Q* w, int64_t k, int64_t K) {
-  alignas(64) Q buf[32] = {};
-  for (int64_t t = k; t < K; ++t) buf[t - k] = w[t];
-  return wload_bf16(buf);
-}
-FLASHRL_BF16_TARGET inline __m512bh xload_bf16(const c10::BFloat16* x, int64_t k, int64_t K, bool tail) {
-  if (!tail) return (__m512bh)_mm512_loadu_si512(x + k);
-  return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1), x + k);
-}
-
-// 4 tokens x 4 rows, rows widened in registers: the 16 sums in lane 4 m + j
-template <typename Q>
-FLASHRL_BF16_TARGET inline __m512 decode_tile4(const c10::BFloat16* const* xr, const Q* const* wr, int64_t K,
-                                                int64_t pf) {
-  __m512 acc[4][4];
-  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
-    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, bool tail) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) {
-    __m512bh wv[4];
-    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) {
-      wv[j] = tail ? wload_bf16_tail(wr[j], k, K) : wload_bf16(wr[j] + k);
-      if (pf && (k * int64_t{sizeof(Q)}) % 64 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, FLASHRL_PREFETCH_HINT);
-    }
-    FLASHRL_UNROLL for (int m = 0; m < 4; ++m) {
-      const __m512bh xv = xload_bf16(xr[m], k, K, tail);
-      FLASHRL_UNROLL for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
-    }
-  };
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) step(k, false);
-  if (k < K) step(k, true);
-  __m512 flat[16];
-  FLASHRL_UNROLL for (int m = 0; m < 4; ++m)
-    FLASHRL_UNROLL for (int j = 0; j < 4; ++j) flat[4 * m + j] = acc[m][j];
-  return hsum16(flat);
-}
-
-// 8 tokens x 2 rows, rows widened in registers: the 16 sums in lane 2 m + j
-template <typename Q>
-FLASHRL_BF16_TARGET inline __m512 decode_pass8(const c10::BFloat16* const* xr, const Q* w0, const Q* w1, int64_t K,
-                                                int64_t pf) {
-  __m512 acc[8][2];
-  FLASHRL_UNROLL for (int m = 0; m < 8; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, bool tail) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) {
-    const __m512bh a = tail ? wload_bf16_tail(w0, k, K) : wload_bf16(w0 + k);
-    const __m512bh b = tail ? wload_bf16_tail(w1, k, K) : wload_bf16(w1 + k);
-    if (pf && (k * int64_t{sizeof(Q)}) % 64 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + k) + pf, FLASHRL_PREFETCH_HINT);
-      _mm_prefetch(reinterpret_cast<const char*>(w1 + k) + pf, FLASHRL_PREFETCH_HINT);
-    }
-    FLASHRL_UNROLL for (int m = 0; m < 8; ++m) {
-      const __m512bh xv = xload_bf16(xr[m], k, K, tail);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, a);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, b);
-    }
-  };
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) step(k, false);
-  if (k < K) step(k, true);
-  __m512 flat[16];
-  FLASHRL_UNROLL for (int m = 0; m < 8; ++m) {
-    flat[2 * m] = acc[m][0];
-    flat[2 * m + 1] = acc[m][1];
-  }
-  return hsum16(flat);
-}
-
-// y = x @ (q * scale).T + bias for M <= 8 bf16 tokens, weight-only; row blocks of 4 over threads
-template <typename Q>
-FLASHRL_BF16_TARGET void drive_decode_bf16(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx,
-                                           const Q* w, int64_t ldw, const float* scale, const float* bias,
-                                           c10::BFloat16* y) {
-  const int64_t nblocks = (N + 3) / 4;
-  // lanes 2 m + j of pass A (rows 0-1) and B (rows 2-3) to lane 4 m + j of tokens 0-3 (lo) and 4-7 (hi)
-  alignas(64) int32_t lo_idx[16], hi_idx[16];
-  for (int m = 0; m < 4; ++m)
-    for (int j = 0; j < 4; ++j) {
-      lo_idx[4 * m + j] = j < 2 ? 2 * m + j : 16 + 2 * m + j - 2;
-      hi_idx[4 * m + j] = 8 + lo_idx[4 * m + j];
-    }
-  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-  at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = 4 * b, nb = std::min<int64_t>(4, N - n0);
-      const __mmask8 nmask = static_cast<__mmask8>((1u << nb) - 1);
-      const Q* wr[4];
-      for (int j = 0; j < 4; ++j) wr[j] = w + (n0 + (j < nb ? j : 0)) * ldw;
-      const __m512 colscale = _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, scale + n0));
-      const __m512 colbias = bias ? _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(nmask, bias + n0)) : _mm512_setzero_ps();
-      const int64_t pf = b + kPrefetchBlocks < b1 ? kPrefetchBlocks * 4 * ldw * int64_t{sizeof(Q)} : 0;
-      const c10::BFloat16* xr[8];
-      for (int m = 0; m < 8; ++m) xr[m] = x + (m < M ? m : 0) * ldx;
-      if (M <= 4) {
-        store_tile(decode_tile4(xr, wr, K, pf), colscale, colbias, nullptr, 0, M, nmask, y + n0, N);
-      } else {
-        const __m512 pa = decode_pass8(xr, wr[0], wr[1], K, pf), pb = decode_pass8(xr, wr[2], wr[3], K, pf);
-        store_tile(_mm512_permutex2var_ps(pa, lo, pb), colscale, colbias, nullptr, 0, 4, nmask, y + n0, N);
-        store_tile(_mm512_permutex2var_ps(pa, hi, pb), colscale, colbias, nullptr, 4, M - 4, nmask, y + 4 * N + n0,
-                   N);
-      }
-    }
-  });
-}
 
 // ------------------------------------------------------------------ weight rows x packed tokens, oneDNN brgemm
 // y^T = W x^T with the weight rows as brgemm's A operand (plain rows, read where they are: the bf16 LM head; or
@@ -1145,7 +1107,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
 }
 
 // which fast paths this build and CPU have: [native W8A8 (VNNI or AVX2 vpmaddwd), bf16 dot products, vector
-// weight-only, AMX-BF16 granted, tokens from which bf16-activation calls run oneDNN brgemm (0: never)]
+// weight-only, AMX-BF16 granted, tokens from which bf16-activation calls run oneDNN brgemm (0: never), fp8 rows
+// widened to bf16 by byte tables (VBMI)]
 std::vector<int64_t> qlinear_caps() {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr int64_t vec = 1;
@@ -1154,9 +1117,9 @@ std::vector<int64_t> qlinear_caps() {
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
   const BrgemmBf16Config& b = brgemm_bf16_config();
-  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m};
+  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m, int64_t{kHasFp8Bytes}};
 #else
-  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0};
+  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0, 0};
 #endif
 }
 

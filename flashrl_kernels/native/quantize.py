@@ -61,10 +61,12 @@ def qlinear_capabilities() -> dict:
     """What the native quantized linear does on this CPU: {'w8a8', 'bf16_dot', 'vector', 'amx_bf16'} -> bool
     ('w8a8': dynamic W8A8 as integer dot products, AVX-512 VNNI's vpdpbusd or AVX2's vpmaddwd),
     'bf16_brgemm_min_m': tokens from which bf16-activation calls (weight-only int8 / fp8, the bf16 head) run
-    oneDNN's brgemm with the weight rows as its A operand (0: never; FLASHRL_NATIVE_BF16_BRGEMM_MIN_M)."""
-    w8a8, bf16, vec, amx_bf16, min_m = torch.ops.flashrl_native.qlinear_caps()
+    oneDNN's brgemm with the weight rows as its A operand (0: never; FLASHRL_NATIVE_BF16_BRGEMM_MIN_M),
+    'fp8_byte_tables': fp8 rows widen to bf16 64 weights at a time by AVX-512 VBMI byte permutes (else 32 at a time
+    by word permutes)."""
+    w8a8, bf16, vec, amx_bf16, min_m, fp8_bytes = torch.ops.flashrl_native.qlinear_caps()
     return {"w8a8": bool(w8a8), "bf16_dot": bool(bf16), "vector": bool(vec), "amx_bf16": bool(amx_bf16),
-            "bf16_brgemm_min_m": int(min_m)}
+            "bf16_brgemm_min_m": int(min_m), "fp8_byte_tables": bool(fp8_bytes)}
 
 
 def w8a8_native(q: torch.Tensor) -> bool:

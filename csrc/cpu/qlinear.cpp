@@ -290,7 +290,7 @@ FLASHRL_BF16_TARGET inline __m512bh wload_bf16(const fp8* p) {
 // e4m3 -> bf16 by byte tables (AVX-512 VBMI): the high and the low byte of the same 128 entries, each looked up
 // for 64 weights by one two-register byte permute, the sign put into the high bytes, and the two byte vectors
 // interleaved into k order by two more byte permutes: 5 vector ops per 64 weights against wload_bf16's 12.
-// Measured on Zen 4: the fp8 layers at 1-4 tokens 0.82x the time, at 8 0.95x (docs/native.md).
+// Measured on Zen 4: the fp8 layers at 1-4 tokens 0.78-0.82x the time, at 5-8 0.92-0.94x (docs/native.md).
 struct Fp8Bf16ByteTables {
   uint8_t hi[128], lo[128], even[64], odd[64];  // even / odd: interleave (lo, hi) bytes 0..31 / 32..63
   constexpr Fp8Bf16ByteTables() : hi(), lo(), even(), odd() {
@@ -324,7 +324,7 @@ FLASHRL_BF16_VBMI_TARGET inline void wload64_bf16(const fp8* p, __m512bh& a, __m
 // ------------------------------------------------------------------ W8A8 int8, VNNI
 #define FLASHRL_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-// cpu_has (cpu_features.h): FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni hides them
+// cpu_has (cpu_features.h): FLASHRL_NATIVE_CPU_DISABLE=avx512bf16,avx512vnni,avx512vbmi hides them
 const bool kHasBf16 = cpu_has("avx512bf16");
 const bool kHasFp8Bytes = kHasBf16 && cpu_has("avx512vbmi");  // wload64_bf16 (every BF16 CPU but Cooper Lake)
 const bool kHasVnni = cpu_has("avx512vnni");

@@ -58,7 +58,7 @@ def _quantize_rows(w2d: torch.Tensor, dtype: torch.dtype):
 
 @functools.cache
 def qlinear_capabilities() -> dict:
-    """What the native quantized linear does on this CPU: {'w8a8', 'bf16_dot', 'vector', 'amx_bf16'} -> bool
+    """What the native quantized linear does on this CPU: {'w8a8', 'bf16_dot', 'vector', 'amx_bf16', 'fp8_byte_tables'} -> bool
     ('w8a8': dynamic W8A8 as integer dot products, AVX-512 VNNI's vpdpbusd or AVX2's vpmaddwd),
     'bf16_brgemm_min_m': tokens from which bf16-activation calls (weight-only int8 / fp8, the bf16 head) run
     oneDNN's brgemm with the weight rows as its A operand (0: never; FLASHRL_NATIVE_BF16_BRGEMM_MIN_M),

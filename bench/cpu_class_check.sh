@@ -13,7 +13,9 @@
 #   2. fresh-process engines (tests/test_vllm_fresh_process.py): every flashrl engine starts and generates in a
 #      process that did no torch matmul first (issue 23's SIGILL on AMX), in-process and multi-process
 #   3. bench/cpu_linear_dispatch.py: tiles vs oneDNN brgemm per token count -> kBrgemmBf16MinMAmx (qlinear.cpp)
-#      and the `r.amx ? 32 : 0` brgemm threshold (qlinear_packed.cpp) on AMX; the AVX-VNNI tiles on AVX2 builds
+#      and the `r.amx ? 4 : 0` brgemm threshold (qlinear_packed.cpp) on AMX; the AVX-VNNI tiles on AVX2 builds;
+#      on AMX CPUs also brgemm vs the AMX tiles flashrl drives (--drivers brgemm,amx) -> the defaults of
+#      FLASHRL_NATIVE_AMX_MIN_M / FLASHRL_NATIVE_AMX_BF16_MIN_M (0 until measured), and step 6 again with them on
 #   4. bench/cpu_int8_modes.py: weight-only vs W8A8 per token count (the plugin's activation_quant="auto")
 #   5. bench/int8_isa_ceiling.c: each int8 instruction mix's ceiling on one core (and the clock); on AMX CPUs
 #      bench/amx_tile_ceiling.c: the tiles' own (tdpbusd, tdpbf16ps), what the brgemm drivers are read against
@@ -72,6 +74,12 @@ fresh=(tests/test_vllm_fresh_process.py)
 [[ $quick == 1 ]] && fresh=(tests/test_vllm_fresh_process.py -k "request_amx or (flashrl_int8 and inproc)")
 step fresh_process "$PY" -m pytest -q -p no:cacheprovider "${fresh[@]}"
 step linear_dispatch "$PY" bench/cpu_linear_dispatch.py "${lin[@]}" --json "$out/linear_dispatch.json"
+amx=0
+grep -q -w amx_int8 /proc/cpuinfo && amx=1
+if [[ $amx == 1 || $quick == 1 ]]; then  # without AMX (--quick only) the amx driver runs emulated: plumbing
+  step linear_dispatch_amx "$PY" bench/cpu_linear_dispatch.py "${lin[@]}" --drivers brgemm,amx \
+    --json "$out/linear_dispatch_amx.json"
+fi
 step int8_modes "$PY" bench/cpu_int8_modes.py "${modes[@]}" --json "$out/int8_modes.json"
 if command -v gcc >/dev/null; then
   step isa_ceiling bash -c "gcc -O2 bench/int8_isa_ceiling.c -o /tmp/int8_isa_ceiling && /tmp/int8_isa_ceiling"
@@ -81,6 +89,11 @@ if command -v gcc >/dev/null; then
 fi
 step rollout "$PY" -m flashrl_kernels.cli bench --op rollout --engines bf16,vllm_w8a8,flashrl_int8,flashrl_fp8 \
   "${roll[@]}" --json "$out/rollout.json"
+if [[ $amx == 1 ]]; then  # the same engines with the AMX tiles flashrl drives (off by default until measured)
+  step rollout_amx env FLASHRL_NATIVE_AMX_MIN_M=1 FLASHRL_NATIVE_AMX_BF16_MIN_M=1 \
+    "$PY" -m flashrl_kernels.cli bench --op rollout --engines bf16,vllm_w8a8,flashrl_int8,flashrl_fp8 \
+    --cases decode8,prefill --json "$out/rollout_amx.json"
+fi
 
 echo
 if ((${#failed[@]})); then

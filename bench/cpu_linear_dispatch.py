@@ -4,6 +4,7 @@
     python bench/cpu_linear_dispatch.py --m 8,32 --rounds 5 --json dispatch.json
     python bench/cpu_linear_dispatch.py --layers 4             # scaled down (fewer layers, same shapes)
     python bench/cpu_linear_dispatch.py --vocab 32000          # another LM head size
+    python bench/cpu_linear_dispatch.py --drivers brgemm,amx   # AMX CPUs: oneDNN's brgemm vs the tiles flashrl drives
 
 On AVX-512 VNNI / BF16 CPUs (the AVX-512 build): the tiles against oneDNN's brgemm, below. On AVX2 builds: the
 packed W8A8 kernel's two tile sets, vpmaddwd against AVX-VNNI's ymm vpdpbusd (FLASHRL_NATIVE_CPU_DISABLE=avxvnni
@@ -18,6 +19,10 @@ run them:
   fp8    flashrl_fp8's layers: weight-only, bf16 tokens, tiles vs brgemm on rows widened to bf16
          (FLASHRL_NATIVE_BF16_BRGEMM_MIN_M; AMX-BF16 tiles on AMX CPUs)
   head   the bf16 LM head of both engines (the same switch as fp8, the rows read in place)
+--drivers picks the two (AVX-512 builds): tiles, brgemm, amx (AMX-INT8 / AMX-BF16 tiles driven by the library
+itself, qlinear_packed.cpp's amx driver and qlinear.cpp's drive_amx_rows, FLASHRL_NATIVE_AMX_MIN_M /
+FLASHRL_NATIVE_AMX_BF16_MIN_M; on a CPU without AMX it runs emulated in scalar code, FLASHRL_NATIVE_EMULATE=amx:
+a check of the plumbing, its times mean nothing).
 The thresholds are read once per process, so each driver runs in its own fresh process, the two
 alternated round by round; every number is the median of --repeats calls of the whole set. Prints, per
 kernel and M, the medians, brgemm's time over the tiles' in each round, and the smallest M from which
@@ -39,9 +44,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up, down (out, in)
 HIDDEN = 896
 KERNELS = ("int8", "fp8", "head")
-# the environment of each driver's processes: both brgemm thresholds (AVX-512 builds)
-DRIVERS = {"tiles": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0"},
-           "brgemm": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1"}}
+# the environment of each driver's processes: the brgemm and amx thresholds (AVX-512 builds)
+_NO_AMX = {"FLASHRL_NATIVE_AMX_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "0", "FLASHRL_NATIVE_EMULATE": ""}
+DRIVERS = {"tiles": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", **_NO_AMX},
+           "brgemm": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1", **_NO_AMX},
+           # brgemm below it: a call the amx drivers refuse (K % 64 / K % 32) runs what the brgemm process runs
+           "amx": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1",
+                   "FLASHRL_NATIVE_AMX_MIN_M": "1", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "1"}}
+
+
+def avx512_drivers(names: list[str], cpu_has_amx: bool) -> dict[str, dict[str, str]]:
+    """The two AVX-512 drivers to compare, each as the environment that selects it (amx emulated without AMX)."""
+    unknown = [n for n in names if n not in DRIVERS]
+    if len(names) != 2 or len(set(names)) != 2 or unknown:
+        raise SystemExit(f"--drivers takes two of {', '.join(DRIVERS)}, got {','.join(names)}")
+    out = {}
+    for n in names:
+        env = dict(DRIVERS[n])
+        if n == "amx":
+            env["FLASHRL_NATIVE_EMULATE"] = "" if cpu_has_amx else "amx"
+        out[n] = env
+    return out
 
 
 def avx2_drivers(cpu_has_avx_vnni: bool) -> dict[str, dict[str, str]]:
@@ -77,6 +100,8 @@ def _child(ms: list[int], layers: int, vocab: int, repeats: int, kernels: tuple[
     # what this process runs: the parent checks that the two drivers really differ
     out = {"caps": {"int8": packed_w8a8_capabilities()["brgemm_min_m"],
                     "bf16": qlinear_capabilities()["bf16_brgemm_min_m"],
+                    "amx_int8": packed_w8a8_capabilities()["amx_min_m"],
+                    "amx_bf16": qlinear_capabilities()["amx_bf16_min_m"],
                     "packed": packed_w8a8_capabilities()["kernel"]}}
     for m in ms:
         xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES} | {HIDDEN}}
@@ -108,9 +133,11 @@ def _run_child(driver: str, env: dict[str, str], ms: list[int], layers: int, voc
         raise SystemExit(f"{driver} run failed:\n{r.stdout[-2000:]}{r.stderr[-4000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     caps = out.pop("caps")
-    if driver in ("tiles", "brgemm"):
-        want = 1 if driver == "brgemm" else 0
-        ran = caps["int8"] == want and caps["bf16"] == want
+    if driver in DRIVERS:
+        want = 0 if driver == "tiles" else 1
+        want_amx = 1 if driver == "amx" else 0
+        ran = (caps["int8"] == want and caps["bf16"] == want and caps["amx_int8"] == want_amx
+               and caps["amx_bf16"] == want_amx)
     else:
         ran = caps["packed"] == driver
     if not ran:
@@ -136,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--vocab", type=int, default=151936, help="LM head rows (hidden size 896)")
     ap.add_argument("--json", help="write the raw times here")
+    ap.add_argument("--drivers", default="tiles,brgemm",
+                    help=f"the two AVX-512 drivers to compare, first,second (of {', '.join(DRIVERS)})")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kernels", default=",".join(KERNELS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -154,7 +183,9 @@ def main(argv=None) -> int:
     if packed in ("avx2", "avx_vnni"):
         drivers, kernels = avx2_drivers("avx_vnni" in cpu_flags()), ("int8",)
     elif packed == "avx512_vnni" and qlinear_capabilities()["bf16_dot"]:
-        drivers, kernels = DRIVERS, KERNELS
+        drivers, kernels = avx512_drivers(args.drivers.split(","), "amx_int8" in cpu_flags()), KERNELS
+        if drivers.get("amx", {}).get("FLASHRL_NATIVE_EMULATE") == "amx":
+            print("amx: this CPU has no AMX-INT8: the amx driver runs emulated in scalar code (its times mean nothing)")
     else:
         print("no second driver to compare on this CPU and build")
         return 0

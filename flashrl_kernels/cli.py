@@ -76,6 +76,9 @@ def _quantized_linear_line() -> str:
     if packed["kernel"]:
         brgemm = (f"oneDNN brgemm ({'AMX-INT8 tiles' if packed['amx'] else 'VNNI'}) from {packed['brgemm_min_m']} "
                   "tokens" if packed["brgemm_min_m"] else "no brgemm")
+        if packed["amx_min_m"]:
+            how = " emulated (FLASHRL_NATIVE_EMULATE=amx: a test mode, slow)" if packed["amx_emulated"] else ""
+            brgemm += f"; AMX-INT8 tiles driven by flashrl{how} from {packed['amx_min_m']} tokens where K % 64 == 0"
         return f"INT8 W8A8 linear: VNNI-packed weights (tiles; {brgemm})"
     if caps["w8a8"]:
         kind = "AVX2 (vpmaddwd)" if _native.native_status().capability == "AVX2" else "VNNI"
@@ -100,6 +103,9 @@ def _bf16_activation_line() -> str:
     if caps["bf16_brgemm_min_m"]:
         unit = "AMX-BF16 tiles" if caps["amx_bf16"] else "AVX-512 BF16"
         kernel += f"; oneDNN brgemm ({unit}) from {caps['bf16_brgemm_min_m']} tokens"
+    if caps["amx_bf16_min_m"]:
+        how = " emulated (FLASHRL_NATIVE_EMULATE=amx: a test mode, slow)" if caps["amx_emulated"] else ""
+        kernel += f"; AMX-BF16 tiles driven by flashrl{how} from {caps['amx_bf16_min_m']} tokens where K % 32 == 0"
     return f"FP8 / bf16-head linear: {kernel}"
 
 

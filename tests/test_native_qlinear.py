@@ -197,15 +197,14 @@ _BRGEMM_ROWS_SCRIPT = r"""
 import sys, torch
 import flashrl_kernels as fk
 from flashrl_kernels.native.quantize import qlinear_capabilities
-import os
-assert qlinear_capabilities()["bf16_brgemm_min_m"] == int(os.environ["FLASHRL_NATIVE_BF16_BRGEMM_MIN_M"])
 g = torch.Generator().manual_seed(21)
 cases = []
 # N off the 64-row blocks, M off the 64-token blocks and the 16-row groups of the epilogue, K off 32; an odd K
 # (no VNNI pairs) stays on the tiles; (130, 70, 4100): three 64-token blocks, one per pass over the weight at this
 # K (the int8 / fp8 rows widened again for each pass, as in prefill calls)
+# (the AMX rows driver takes K % 32 == 0: (16, 64, 64), (63, 200, 96), (1, 70, 256), (17, 129, 896), (130, 65, 4096))
 for m, n, k in [(1, 70, 34), (15, 129, 130), (16, 64, 64), (63, 200, 96), (65, 131, 258), (130, 17, 1000), (20, 9, 33),
-                (130, 70, 4100)]:
+                (130, 70, 4100), (1, 70, 256), (17, 129, 896), (130, 65, 4096)]:
     x, bias = (torch.randn(m, k, generator=g) * 2).bfloat16(), torch.randn(n, generator=g)
     w = torch.randn(n, k + 3, generator=g).bfloat16()[:, 1:k + 1]  # strided rows: the head's rows are A in place
     for b in (None, bias):
@@ -222,30 +221,30 @@ for m, k in ((40, 128), (130, 4100)):
     fk.quantize_rows_(torch.randn(96, k, generator=g) * 3, q, s)
     cases.append(("synced", x, q, s, None, torch.ops.flashrl_native.qlinear(x, q, s, None, False)))
     assert not torch.equal(before, cases[-1][-1])
-torch.save(cases, sys.argv[1])
+torch.save({"caps": qlinear_capabilities(), "cases": cases}, sys.argv[1])
 """
 
 
-def test_brgemm_rows_driver_vs_float64(tmp_path):
-    """oneDNN's bf16 brgemm with the weight rows as its A operand (AMX-BF16 tiles on AMX CPUs, AVX-512 BF16 code
-    here): forced for every M in a fresh process, each output checked against float64 and against the tiles,
-    forced in another (on AMX CPUs the default process runs brgemm at every M)."""
+def _rows_driver_runs(tmp_path, drivers):
+    """{driver: (caps, cases)} of _BRGEMM_ROWS_SCRIPT, each driver in a fresh process with its environment."""
     import os
     import subprocess
     import sys
 
-    if not _caps()["bf16_dot"]:
-        pytest.skip("no AVX-512 BF16 on this CPU: oneDNN's bf16 brgemm is not used here")
     runs = {}
-    for driver, min_m in (("brgemm", "1"), ("tiles", "0")):
+    for driver, env_add in drivers.items():
         out = tmp_path / f"{driver}.pt"
-        env = {**os.environ, "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": min_m}
-        r = subprocess.run([sys.executable, "-c", _BRGEMM_ROWS_SCRIPT, str(out)], check=False, env=env,
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run([sys.executable, "-c", _BRGEMM_ROWS_SCRIPT, str(out)], check=False,
+                           env={**os.environ, **env_add}, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        runs[driver] = torch.load(out)
-    assert len(runs["brgemm"]) == len(runs["tiles"]) == 8 * 2 * 3 + 2
-    for (kind, x, w, s, b, y), (*_, tiles) in zip(runs["brgemm"], runs["tiles"]):
+        saved = torch.load(out)
+        runs[driver] = (saved["caps"], saved["cases"])
+        assert len(saved["cases"]) == 11 * 2 * 3 + 2
+    return runs
+
+
+def _check_rows_drivers(y_cases, tile_cases):
+    for (kind, x, w, s, b, y), (*_, tiles) in zip(y_cases, tile_cases):
         if kind == "bf16":
             ref = x.double() @ w.double().T + (0 if b is None else b.double())
         else:
@@ -254,6 +253,44 @@ def test_brgemm_rows_driver_vs_float64(tmp_path):
         _check(tiles, ref, torch.bfloat16)
         # fp32 sums in another order: the two drivers agree to a bf16 rounding of the output
         assert (y.double() - tiles.double()).abs().max() <= 8e-3 * ref.abs().max(), (kind, x.shape, w.shape)
+
+
+_TILES_ENV = {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "0",
+              "FLASHRL_NATIVE_EMULATE": ""}
+
+
+def test_amx_rows_driver_vs_float64(tmp_path):
+    """The AMX-BF16 tiles driven by the library on the weight rows (qlinear.cpp's drive_amx_rows: int8 / fp8 rows
+    widened per 64-row block, bf16 rows in place; the tokens VNNI-2 packed as B): forced for every M in a fresh
+    process, on real tiles where this CPU has AMX-BF16, else emulated in scalar code (FLASHRL_NATIVE_EMULATE=amx,
+    which traps on a tile shape the real instruction would refuse); each output against float64 and the tiles.
+    K % 32 != 0 falls back to the other drivers."""
+    from flashrl_kernels._cpu import cpu_flags
+
+    if not _caps()["bf16_dot"]:
+        pytest.skip("no AVX-512 BF16 on this CPU: the bf16 rows drivers are not used here")
+    real = "amx_bf16" in cpu_flags()
+    runs = _rows_driver_runs(tmp_path, {
+        "amx": {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "1",
+                "FLASHRL_NATIVE_EMULATE": "" if real else "amx"},
+        "tiles": _TILES_ENV})
+    caps = runs["amx"][0]
+    assert caps["amx_bf16_min_m"] == 1 and caps["amx_emulated"] == (not real), caps
+    assert runs["tiles"][0]["amx_bf16_min_m"] == 0
+    _check_rows_drivers(runs["amx"][1], runs["tiles"][1])
+
+
+def test_brgemm_rows_driver_vs_float64(tmp_path):
+    """oneDNN's bf16 brgemm with the weight rows as its A operand (AMX-BF16 tiles on AMX CPUs, AVX-512 BF16 code
+    here): forced for every M in a fresh process, each output checked against float64 and against the tiles,
+    forced in another (on AMX CPUs the default process runs brgemm at every M)."""
+    if not _caps()["bf16_dot"]:
+        pytest.skip("no AVX-512 BF16 on this CPU: oneDNN's bf16 brgemm is not used here")
+    runs = _rows_driver_runs(tmp_path, {
+        "brgemm": {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "0"},
+        "tiles": _TILES_ENV})
+    assert runs["brgemm"][0]["bf16_brgemm_min_m"] == 1 and runs["tiles"][0]["bf16_brgemm_min_m"] == 0
+    _check_rows_drivers(runs["brgemm"][1], runs["tiles"][1])
 
 
 def test_direct_ops_follow_the_backend_choice():
@@ -365,9 +402,11 @@ def test_fp8_byte_and_word_table_widenings_agree(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path):
+@pytest.mark.parametrize("pair", [None, "brgemm,amx"])
+def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path, pair):
     """bench/cpu_linear_dispatch.py (how a session sets the brgemm thresholds of a CPU class, or compares the AVX2
-    build's vpmaddwd and AVX-VNNI tiles): a tiny real run, and its threshold rule."""
+    build's vpmaddwd and AVX-VNNI tiles; with --drivers brgemm,amx oneDNN's brgemm against the AMX tiles flashrl
+    drives, emulated on CPUs without AMX): a tiny real run, and its threshold rule."""
     import json
     import os
     import subprocess
@@ -386,15 +425,17 @@ def test_dispatch_bench_runs_each_driver_in_its_own_process(tmp_path):
     from flashrl_kernels._cpu import cpu_flags
     from flashrl_kernels.native.quantize import packed_w8a8_capabilities
 
-    if packed_w8a8_capabilities()["kernel"] in ("avx2", "avx_vnni"):  # the AVX2 build's two tile sets, int8 only
+    avx2_build = packed_w8a8_capabilities()["kernel"] in ("avx2", "avx_vnni")
+    if avx2_build and pair is None:  # the AVX2 build's two tile sets, int8 only
         drivers, kernels = list(bench.avx2_drivers("avx_vnni" in cpu_flags())), ("int8",)
-    elif _caps()["bf16_dot"] and _caps()["w8a8"]:
-        drivers, kernels = ["tiles", "brgemm"], ("int8", "fp8", "head")
+    elif not avx2_build and _caps()["bf16_dot"] and _caps()["w8a8"]:
+        drivers, kernels = (pair or "tiles,brgemm").split(","), ("int8", "fp8", "head")
     else:
-        pytest.skip("AVX-512 without VNNI / BF16: no second driver to compare")
+        pytest.skip("no such pair of drivers in this build on this CPU")
     out = tmp_path / "dispatch.json"
     r = subprocess.run([sys.executable, str(root / "bench" / "cpu_linear_dispatch.py"), "--layers", "1", "--vocab",
-                        "256", "--m", "3,20", "--rounds", "1", "--repeats", "1", "--json", str(out)],
+                        "256", "--m", "3,20", "--rounds", "1", "--repeats", "1", "--json", str(out)]
+                       + (["--drivers", pair] if pair else []),
                        capture_output=True, text=True, timeout=600, env=dict(os.environ), check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())

@@ -187,6 +187,64 @@ def test_brgemm_driver_equals_the_tiles(tmp_path):
         assert torch.equal(y_tiles, y_brgemm), (x.shape, x.dtype)
 
 
+def test_amx_driver_equals_the_tiles(tmp_path):
+    """The AMX-INT8 tiles driven by the library (qlinear_packed.cpp's amx driver: the tokens' codes as A, the
+    packed block as B) give the tiles' outputs bit for bit: forced for every M in a fresh process, on real tiles
+    where this CPU has AMX-INT8, else emulated in scalar code (FLASHRL_NATIVE_EMULATE=amx), which also traps on
+    a tile shape the real instruction would refuse. K % 64 != 0 falls back to the other drivers."""
+    from flashrl_kernels._cpu import cpu_flags
+
+    if _packed().packed_w8a8_capabilities()["kernel"] != "avx512_vnni":
+        pytest.skip("the amx driver reads the 64-row VNNI layout of AVX-512 builds")
+    code = textwrap.dedent("""
+        import os, sys, torch
+        from flashrl_kernels import _native
+        _native.native_status(load=True)
+        from flashrl_kernels.native.quantize import packed_w8a8_capabilities, quantize_rows_packed_
+        caps = packed_w8a8_capabilities()
+        assert caps["amx_min_m"] == int(sys.argv[2]) and caps["amx_emulated"] == (sys.argv[3] == "1"), caps
+        g = torch.Generator().manual_seed(7)
+        weights, cases = [], []
+        for n, k in ((64, 64), (192, 256), (128, 260), (320, 896)):
+            q = torch.empty(n, k, dtype=torch.int8); s = torch.empty(n); c = torch.empty(n, dtype=torch.int32)
+            quantize_rows_packed_(torch.randn(n, k, generator=g) * 2, q, s, c, 0)
+            weights.append((q, s, c))
+            for m in (1, 3, 15, 16, 17, 40, 300):
+                for dt in (torch.float32, torch.bfloat16, torch.float16):
+                    x, b = (torch.randn(m, k, generator=g) * 2).to(dt), torch.randn(n, generator=g)
+                    x[m // 2] = 0.0
+                    if m > 2:
+                        x[m - 1, k // 3] = float("nan")
+                    for bias in (None, b):
+                        y = torch.ops.flashrl_native.qlinear_packed(x, q, s, c, bias)
+                        cases.append((len(weights) - 1, x, bias, y))
+        torch.save({"weights": weights, "cases": cases}, sys.argv[1])
+    """)
+    real = "amx_int8" in cpu_flags()
+    runs = {}
+    for driver, env_add, min_m, emulated in (
+            ("amx", {"FLASHRL_NATIVE_AMX_MIN_M": "1", "FLASHRL_NATIVE_EMULATE": "" if real else "amx"}, "1",
+             "0" if real else "1"),
+            ("tiles", {"FLASHRL_NATIVE_AMX_MIN_M": "0", "FLASHRL_NATIVE_EMULATE": ""}, "0", "0")):
+        out = tmp_path / f"{driver}.pt"
+        env = {**os.environ, **env_add}
+        subprocess.run([sys.executable, "-c", code, str(out), min_m, emulated], check=True, env=env, timeout=900)
+        runs[driver] = torch.load(out)
+    assert len(runs["amx"]["cases"]) == len(runs["tiles"]["cases"]) == 4 * 7 * 3 * 2
+
+    def same(a, b):  # bit for bit, NaN where NaN
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+    for (i, x, bias, y_amx), (_, x_t, _, y_tiles) in zip(runs["amx"]["cases"], runs["tiles"]["cases"]):
+        assert same(x, x_t)
+        assert same(y_amx, y_tiles), (x.shape, x.dtype, runs["amx"]["weights"][i][0].shape)
+        m = x.shape[0]
+        zero_token = bias.to(y_amx.dtype) if bias is not None else torch.zeros_like(y_amx[0])
+        assert torch.equal(y_amx[m // 2], zero_token)  # u8 codes all 128, offset by the row sums to exactly 0
+        if m > 2:
+            assert y_amx[m - 1].isnan().all()
+
+
 _EMULATED_AVX_VNNI = textwrap.dedent("""
     import sys, torch
     from flashrl_kernels import _native

@@ -46,6 +46,7 @@
 #define FLASHRL_HAS_INIT_AMX 1
 #endif
 
+#include "amx_tiles.h"
 #include "cpu_features.h"
 #include "token_quant.h"
 #include "vec_utils.h"
@@ -894,12 +895,94 @@ FLASHRL_BF16_TARGET void drive_brgemm_rows(int64_t M, int64_t N, int64_t K, cons
     });
   }
 }
+
+// ---- the same product on AMX-BF16 tiles driven here (amx_tiles.h): no call per block, nothing prepacked
+// Tiles: 1 = 16 k-pairs x 16 tokens of the VNNI-2 tokens (B), 0 and 2 = 16 weight rows x 32 k (A: the stored bf16
+// rows in place, or the block's rows widened into a per-thread scratch; two, so that one loads while the other
+// multiplies), 4-7 = the fp32 sums of the block's 64 rows (16 each) x the 16 tokens. K % 32 == 0.
+template <typename Ops, typename Q>
+FLASHRL_BF16_TARGET void drive_amx_rows(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx,
+                                        const Q* w, int64_t ldw, const float* scale, const float* bias,
+                                        c10::BFloat16* y) {
+  constexpr bool kInPlace = std::is_same_v<Q, c10::BFloat16>;
+  constexpr int64_t tb = 16;
+  const std::unique_ptr<uint32_t[]> packed = pack_tokens_vnni2(x, ldx, M, K, tb);
+  const int64_t kp = K / 2, tblocks = (M + tb - 1) / tb, rblocks = (N + kBrgRows - 1) / kBrgRows;
+  if (M % tb) {  // the last block's columns past M: read by the tiles (their sums are never stored), so defined
+    uint32_t* last = packed.get() + (tblocks - 1) * kp * tb;
+    for (int64_t p = 0; p < kp; ++p) std::fill(last + p * tb + M % tb, last + (p + 1) * tb, 0u);
+  }
+  const int64_t chunk = std::max<int64_t>(1, kBrgChunkBytes / (K * 2 * tb));  // token blocks per pass (L2)
+  const int64_t lds = K;  // K % 32 == 0: scratch rows start on cache lines
+  for (int64_t tc = 0; tc < tblocks; tc += chunk) {
+    const int64_t tc1 = std::min(tblocks, tc + chunk);
+    at::parallel_for(0, rblocks, 1, [&](int64_t b0, int64_t b1) {
+      TileConfig cfg;
+      for (int t : {0, 1, 2, 4, 5, 6, 7}) cfg.set(t, 16, 64);
+      Ops::config(&cfg);
+      // a full block of stored bf16 rows is read in place; widened rows (and a partial block's) go here
+      const bool scratch_needed = !kInPlace || (N % kBrgRows != 0 && b1 == rblocks);
+      const std::unique_ptr<c10::BFloat16[]> scratch(new c10::BFloat16[scratch_needed ? kBrgRows * lds + 32 : 0]);
+      c10::BFloat16* rows = reinterpret_cast<c10::BFloat16*>(
+          (reinterpret_cast<std::uintptr_t>(scratch.get()) + 63) / 64 * 64);
+      alignas(64) float c[kBrgRows * tb];
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kBrgRows, nn = std::min(kBrgRows, N - n0);
+        const c10::BFloat16* a = rows;
+        int64_t lda = lds;
+        if (kInPlace && nn == kBrgRows) {
+          a = reinterpret_cast<const c10::BFloat16*>(w) + n0 * ldw;
+          lda = ldw;
+        } else {
+          const int64_t pf = b + 1 < b1 ? kBrgRows * ldw * int64_t{sizeof(Q)} : 0;  // the next block's rows
+          for (int64_t j = 0; j < nn; ++j) {
+            if constexpr (kInPlace) {
+              std::memcpy(rows + j * lds, w + (n0 + j) * ldw, K * sizeof(c10::BFloat16));
+            } else {
+              widen_row_bf16(w + (n0 + j) * ldw, K, rows + j * lds, pf);
+            }
+          }
+          // rows past N: zeros (their sums are never stored; defined, so the emulation reads no garbage)
+          if (nn < kBrgRows) std::fill(rows + nn * lds, rows + kBrgRows * lds, c10::BFloat16(0.f));
+        }
+        for (int64_t t = tc; t < tc1; ++t) {
+          Ops::template zero<4>();
+          Ops::template zero<5>();
+          Ops::template zero<6>();
+          Ops::template zero<7>();
+          const uint32_t* bt = packed.get() + t * kp * tb;
+          const int64_t stride = lda * int64_t{sizeof(c10::BFloat16)};
+          for (int64_t k = 0; k < K; k += 32) {
+            Ops::template load<1>(bt + k / 2 * tb, tb * 4);
+            const c10::BFloat16* ak = a + k;
+            Ops::template load<0>(ak, stride);
+            Ops::template load<2>(ak + 16 * lda, stride);
+            Ops::template dpbf16ps<4, 0, 1>();
+            Ops::template load<0>(ak + 32 * lda, stride);
+            Ops::template dpbf16ps<5, 2, 1>();
+            Ops::template load<2>(ak + 48 * lda, stride);
+            Ops::template dpbf16ps<6, 0, 1>();
+            Ops::template dpbf16ps<7, 2, 1>();
+          }
+          Ops::template store<4>(c, tb * 4);
+          Ops::template store<5>(c + 16 * tb, tb * 4);
+          Ops::template store<6>(c + 32 * tb, tb * 4);
+          Ops::template store<7>(c + 48 * tb, tb * 4);
+          store_transposed(c, tb, nn, std::min(tb, M - t * tb), scale, bias, n0, t * tb, y, N);
+        }
+      }
+      Ops::release();
+    });
+  }
+}
 #endif
 
 // tokens from which a bf16-activation call runs drive_brgemm_rows (0: never); see docs/native.md
 struct BrgemmBf16Config {
   bool amx_bf16 = false;  // AMX-TILE + AMX-BF16, and Linux granted this process the tile state
   int64_t min_m = 0;
+  bool amx_emulated = false;  // drive_amx_rows on emulated tiles (FLASHRL_NATIVE_EMULATE=amx; a test mode)
+  int64_t amx_min_m = 0;  // tokens from which a bf16-activation call runs drive_amx_rows (0: never)
 };
 const BrgemmBf16Config& brgemm_bf16_config() {
   static const BrgemmBf16Config c = [] {
@@ -910,6 +993,11 @@ const BrgemmBf16Config& brgemm_bf16_config() {
 #endif
     const int64_t fallback = r.amx_bf16 ? kBrgemmBf16MinMAmx : kHasBf16 ? kBrgemmBf16MinMNoAmx : 0;
     r.min_m = kHasBf16 || r.amx_bf16 ? env_int("FLASHRL_NATIVE_BF16_BRGEMM_MIN_M", fallback) : 0;
+    const char* emulate = std::getenv("FLASHRL_NATIVE_EMULATE");
+    r.amx_emulated = kHasBf16 && !r.amx_bf16 && emulate && std::strstr(emulate, "amx");
+    // emulated: every M (a test of the driver); real tiles: off until an AMX machine has measured them
+    if (r.amx_bf16 || r.amx_emulated)
+      r.amx_min_m = env_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", r.amx_emulated ? 1 : 0);
 #endif
     return r;
   }();
@@ -920,6 +1008,21 @@ inline bool use_brgemm_rows(int64_t M, int64_t K) {
   const int64_t min_m = brgemm_bf16_config().min_m;
   return min_m > 0 && M >= min_m && K % 2 == 0;
 }
+
+#if defined(FLASHRL_HAS_BF16_BRGEMM)
+// drive_amx_rows on real or emulated tiles when this call should take it; false: it did not run
+template <typename Q>
+bool try_amx_rows(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx, const Q* w, int64_t ldw,
+                  const float* scale, const float* bias, c10::BFloat16* y) {
+  const BrgemmBf16Config& c = brgemm_bf16_config();
+  if (c.amx_min_m == 0 || M < c.amx_min_m || K % 32 != 0) return false;
+  if (c.amx_emulated)
+    drive_amx_rows<EmulatedAmxOps, Q>(M, N, K, x, ldx, w, ldw, scale, bias, y);
+  else
+    drive_amx_rows<AmxOps, Q>(M, N, K, x, ldx, w, ldw, scale, bias, y);
+  return true;
+}
+#endif
 
 template <typename Out>
 void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, const float* bias, bool act_quant,
@@ -947,6 +1050,8 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
     for (float& v : sc) v /= kVecWeightFactor<Q>;
     if constexpr (std::is_same_v<Out, c10::BFloat16>) {
 #if defined(FLASHRL_HAS_BF16_BRGEMM)
+      if (try_amx_rows<Q>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), w, ldw, sc.data(), bias, yp))
+        return;
       if (use_brgemm_rows(M, K)) {
         drive_brgemm_rows<Q>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), w, ldw, sc.data(), bias, yp);
         return;
@@ -1074,6 +1179,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   const c10::BFloat16* wp = w.const_data_ptr<c10::BFloat16>();
 #if defined(CPU_CAPABILITY_AVX512)
 #if defined(FLASHRL_HAS_BF16_BRGEMM)
+  if (try_amx_rows<c10::BFloat16>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), wp, w.stride(0), nullptr,
+                                  bp, y.data_ptr<c10::BFloat16>()))
+    return y;
   if (use_brgemm_rows(M, K)) {
     drive_brgemm_rows<c10::BFloat16>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), wp, w.stride(0), nullptr,
                                      bp, y.data_ptr<c10::BFloat16>());
@@ -1108,7 +1216,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
 
 // which fast paths this build and CPU have: [native W8A8 (VNNI or AVX2 vpmaddwd), bf16 dot products, vector
 // weight-only, AMX-BF16 granted, tokens from which bf16-activation calls run oneDNN brgemm (0: never), fp8 rows
-// widened to bf16 by byte tables (VBMI)]
+// widened to bf16 by byte tables (VBMI), tokens from which they run AMX-BF16 tiles driven here (0: never), those
+// tiles emulated]
 std::vector<int64_t> qlinear_caps() {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr int64_t vec = 1;
@@ -1117,9 +1226,10 @@ std::vector<int64_t> qlinear_caps() {
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
   const BrgemmBf16Config& b = brgemm_bf16_config();
-  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m, int64_t{kHasFp8Bytes}};
+  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m, int64_t{kHasFp8Bytes},
+          b.amx_min_m, int64_t{b.amx_emulated}};
 #else
-  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0, 0};
+  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0, 0, 0, 0};
 #endif
 }
 

@@ -22,7 +22,11 @@
 //           re-read from L2 by every 4 tokens of the chunk);
 //   brgemm: oneDNN's u8 x s8 batch-reduce GEMM (ATen's cpublas::brgemm, ld_b = 64), which runs AMX-INT8 tiles on
 //           CPUs that have them; taken for M >= FLASHRL_NATIVE_BRGEMM_MIN_M (default: 4 on AMX CPUs, never
-//           elsewhere, where the tiles are faster; docs/native.md).
+//           elsewhere, where the tiles are faster; docs/native.md);
+//   amx:    AMX-INT8 tiles driven here (amx_tiles.h), the tokens' u8 codes as A and the packed block itself as B
+//           (a k-group of 16 rows is one 64-byte tile row, stride 256): no call per block, no copy of the weight.
+//           Taken for M >= FLASHRL_NATIVE_AMX_MIN_M (default 0: never, until measured on an AMX machine) when
+//           K % 64 == 0 and AMX-INT8 is granted; FLASHRL_NATIVE_EMULATE=amx runs it emulated (tests).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -36,6 +40,7 @@
 #define FLASHRL_HAS_INIT_AMX 1
 #endif
 
+#include "amx_tiles.h"
 #include "cpu_features.h"
 #include "packed_layout.h"
 #include "token_quant.h"
@@ -68,6 +73,8 @@ struct PackedConfig {
   bool avx_vnni_emulated = false;
   bool amx = false;  // AMX-TILE + AMX-INT8, and Linux granted this process the tile state
   int64_t brgemm_min_m = 0;  // 0: never
+  bool amx_emulated = false;  // the amx driver on emulated tiles (FLASHRL_NATIVE_EMULATE=amx; a test mode)
+  int64_t amx_min_m = 0;  // tokens from which the amx driver runs (0: never)
 };
 
 const PackedConfig& config() {
@@ -89,6 +96,14 @@ const PackedConfig& config() {
 #endif
 #if defined(CPUBLAS_BRGEMM_U8I8I32)
     if (r.vnni) r.brgemm_min_m = env_int("FLASHRL_NATIVE_BRGEMM_MIN_M", r.amx ? 4 : 0);  // the 64-row layout only
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+    if (r.vnni) {
+      const char* emulate = std::getenv("FLASHRL_NATIVE_EMULATE");
+      r.amx_emulated = emulate && std::strstr(emulate, "amx") && !r.amx;
+      // emulated: every M (a test of the driver); real tiles: off until an AMX machine has measured them
+      if (r.amx || r.amx_emulated) r.amx_min_m = env_int("FLASHRL_NATIVE_AMX_MIN_M", r.amx_emulated ? 1 : 0);
+    }
 #endif
     return r;
   }();
@@ -251,7 +266,6 @@ void drive_tiles(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_t
   }
 }
 
-#if defined(CPUBLAS_BRGEMM_U8I8I32)
 // rows [m0, m0 + mm) x the 64 rows of block nb from brgemm's int32 sums c [mm, 64]
 template <typename Out>
 void store_sums(const int32_t* c, int64_t mm, int64_t m0, int64_t n0, const Epilogue& e, Out* y) {
@@ -263,6 +277,65 @@ void store_sums(const int32_t* c, int64_t mm, int64_t m0, int64_t n0, const Epil
   }
 }
 
+// ---- the amx driver: AMX-INT8 tiles on the packed bytes (amx_tiles.h)
+// Tiles: 0 = 16 tokens x 64 k of u8 codes (A, rows K bytes apart), 2 and 3 = 16 k-groups x 16 rows of the
+// block (B, rows 256 bytes apart; two, so that one loads while the other multiplies), 4-7 = the int32 sums of
+// the 16 tokens x the block's 64 rows, 16 rows each. a holds whole 16-token blocks (rows past M are read,
+// their sums never stored); K % 64 == 0.
+template <typename Ops, typename Out>
+void amx_blocks(const uint8_t* a, int64_t K, const int8_t* w, int64_t b0, int64_t b1, int64_t mc, int64_t mend,
+                const Epilogue& e, Out* y) {
+  TileConfig cfg;
+  cfg.set(0, 16, 64);
+  cfg.set(2, 16, 64);
+  cfg.set(3, 16, 64);
+  for (int t = 4; t < 8; ++t) cfg.set(t, 16, 64);
+  Ops::config(&cfg);
+  const int64_t block_bytes = K / 4 * kPackGroup, steps = K / 64;
+  alignas(64) int32_t c[16 * kPackRows];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* wb = w + b * block_bytes;
+    for (int64_t m0 = mc; m0 < mend; m0 += 16) {
+      Ops::template zero<4>();
+      Ops::template zero<5>();
+      Ops::template zero<6>();
+      Ops::template zero<7>();
+      const uint8_t* am = a + m0 * K;
+      for (int64_t s = 0; s < steps; ++s) {
+        const int8_t* g = wb + s * 16 * kPackGroup;  // k-groups 16 s .. 16 s + 15 of the block
+        Ops::template load<0>(am + 64 * s, K);
+        Ops::template load<2>(g, kPackGroup);
+        Ops::template load<3>(g + 64, kPackGroup);
+        Ops::template dpbusd<4, 0, 2>();
+        Ops::template load<2>(g + 128, kPackGroup);
+        Ops::template dpbusd<5, 0, 3>();
+        Ops::template load<3>(g + 192, kPackGroup);
+        Ops::template dpbusd<6, 0, 2>();
+        Ops::template dpbusd<7, 0, 3>();
+      }
+      Ops::template store<4>(c, kPackRows * 4);
+      Ops::template store<5>(c + 16, kPackRows * 4);
+      Ops::template store<6>(c + 32, kPackRows * 4);
+      Ops::template store<7>(c + 48, kPackRows * 4);
+      store_sums(c, std::min<int64_t>(16, mend - m0), m0, b * kPackRows, e, y);
+    }
+  }
+  Ops::release();
+}
+
+template <typename Ops, typename Out>
+void drive_amx(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_t* w, const Epilogue& e, Out* y) {
+  const int64_t nblocks = N / kPackRows;
+  for (int64_t mc = 0; mc < M; mc += kTokenChunk) {
+    const int64_t mend = std::min(M, mc + kTokenChunk);
+    // as the tiles: a thread streams its contiguous run of blocks, each block re-read from L2 per 16 tokens
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      amx_blocks<Ops, Out>(a, K, w, b0, b1, mc, mend, e, y);
+    });
+  }
+}
+
+#if defined(CPUBLAS_BRGEMM_U8I8I32)
 template <typename Out>
 void drive_brgemm(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_t* w, const Epilogue& e, Out* y) {
   const int64_t nblocks = N / kPackRows, mblocks = (M + kBrgemmRows - 1) / kBrgemmRows;
@@ -509,7 +582,9 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
     bias_f.assign(b.const_data_ptr<float>(), b.const_data_ptr<float>() + N);
   }
 #if defined(CPU_CAPABILITY_AVX512)
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  const bool amx = config().amx_min_m > 0 && M >= config().amx_min_m && K % 64 == 0;
+  // the amx driver reads whole 16-token blocks of codes
+  std::vector<int8_t> xq(static_cast<size_t>((amx ? (M + 15) / 16 * 16 : M) * K));
   std::vector<float> xs(static_cast<size_t>(M));
   const Epilogue e{xs.data(), scale.const_data_ptr<float>(), comp.const_data_ptr<int32_t>(),
                    bias_f.empty() ? nullptr : bias_f.data(), N};
@@ -519,6 +594,13 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
     using Out = decltype(out_tag);
     quantize_tokens_s8<true>(x.const_data_ptr<Out>(), x.stride(0), M, K, K, xq.data(), xs.data(), nullptr);
     Out* yp = y.data_ptr<Out>();
+    if (amx) {
+      if (config().amx_emulated)
+        drive_amx<EmulatedAmxOps, Out>(M, N, K, a, w, e, yp);
+      else
+        drive_amx<AmxOps, Out>(M, N, K, a, w, e, yp);
+      return;
+    }
 #if defined(CPUBLAS_BRGEMM_U8I8I32)
     const int64_t min_m = config().brgemm_min_m;
     if (min_m > 0 && M >= min_m) {
@@ -565,11 +647,12 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
 }
 
 // [the packed kernel here (0: none, 1: AVX2 vpmaddwd, 2: AVX-512 VNNI, 3: AVX-VNNI ymm, 4: the same emulated),
-// AMX-INT8 granted, brgemm from this M (0: never), rows per block of the layout (packed_layout.h)]
+// AMX-INT8 granted, brgemm from this M (0: never), rows per block of the layout (packed_layout.h),
+// the amx driver from this M (0: never), the amx driver emulated]
 std::vector<int64_t> qlinear_packed_caps() {
   const PackedConfig& c = config();
   const int64_t kernel = c.vnni ? 2 : c.avx_vnni_emulated ? 4 : c.avx_vnni ? 3 : c.avx2 ? 1 : 0;
-  return {kernel, int64_t{c.amx}, c.brgemm_min_m, kPackRows};
+  return {kernel, int64_t{c.amx}, c.brgemm_min_m, kPackRows, c.amx_min_m, int64_t{c.amx_emulated}};
 }
 
 }  // namespace

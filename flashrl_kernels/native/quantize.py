@@ -63,10 +63,13 @@ def qlinear_capabilities() -> dict:
     'bf16_brgemm_min_m': tokens from which bf16-activation calls (weight-only int8 / fp8, the bf16 head) run
     oneDNN's brgemm with the weight rows as its A operand (0: never; FLASHRL_NATIVE_BF16_BRGEMM_MIN_M),
     'fp8_byte_tables': fp8 rows widen to bf16 64 weights at a time by AVX-512 VBMI byte permutes (else 32 at a time
-    by word permutes)."""
-    w8a8, bf16, vec, amx_bf16, min_m, fp8_bytes = torch.ops.flashrl_native.qlinear_caps()
+    by word permutes), 'amx_bf16_min_m': tokens from which those calls (K % 32 == 0) run AMX-BF16 tiles driven by
+    the library itself, before brgemm (0: never; FLASHRL_NATIVE_AMX_BF16_MIN_M), 'amx_emulated': those tiles
+    emulated in scalar code, for tests on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx)."""
+    w8a8, bf16, vec, amx_bf16, min_m, fp8_bytes, amx_min_m, amx_emulated = torch.ops.flashrl_native.qlinear_caps()
     return {"w8a8": bool(w8a8), "bf16_dot": bool(bf16), "vector": bool(vec), "amx_bf16": bool(amx_bf16),
-            "bf16_brgemm_min_m": int(min_m), "fp8_byte_tables": bool(fp8_bytes)}
+            "bf16_brgemm_min_m": int(min_m), "fp8_byte_tables": bool(fp8_bytes), "amx_bf16_min_m": int(amx_min_m),
+            "amx_emulated": bool(amx_emulated)}
 
 
 def w8a8_native(q: torch.Tensor) -> bool:
@@ -139,15 +142,17 @@ def packed_w8a8_capabilities() -> dict:
     AVX-512 without VNNI and portable builds), 'available': kernel is not None,
     'pack_rows': rows per block of its layout (a packed weight's N must be a multiple; K of 4),
     'amx': AMX-INT8 tiles granted to this process, 'brgemm_min_m': tokens from which a call runs oneDNN's brgemm
-    (0: never)}.
+    (0: never), 'amx_min_m': tokens from which a call (K % 64 == 0) runs the AMX-INT8 tiles driven by the library
+    itself (0: never; FLASHRL_NATIVE_AMX_MIN_M), 'amx_emulated': those tiles emulated in scalar code, for tests
+    on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx)}.
 
     FLASHRL_NATIVE_PACKED=0 reports the kernel as unavailable (quantized layers then keep the plain layout)."""
     import os
 
-    kernel, amx, min_m, pack_rows = torch.ops.flashrl_native.qlinear_packed_caps()
+    kernel, amx, min_m, pack_rows, amx_min_m, amx_emulated = torch.ops.flashrl_native.qlinear_packed_caps()
     name = _PACKED_KERNELS[int(kernel)] if os.environ.get("FLASHRL_NATIVE_PACKED", "1") != "0" else None
     return {"kernel": name, "available": name is not None, "pack_rows": int(pack_rows), "amx": bool(amx),
-            "brgemm_min_m": int(min_m)}
+            "brgemm_min_m": int(min_m), "amx_min_m": int(amx_min_m), "amx_emulated": bool(amx_emulated)}
 
 
 def packed_w8a8_fits(shape) -> bool:

@@ -262,14 +262,12 @@ _TILES_ENV = {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_
 def test_amx_rows_driver_vs_float64(tmp_path):
     """The AMX-BF16 tiles driven by the library on the weight rows (qlinear.cpp's drive_amx_rows: int8 / fp8 rows
     widened per 64-row block, bf16 rows in place; the tokens VNNI-2 packed as B): forced for every M in a fresh
-    process, on real tiles where this CPU has AMX-BF16, else emulated in scalar code (FLASHRL_NATIVE_EMULATE=amx,
+    process, on real tiles where this CPU has AMX-BF16 (and Linux grants it), else emulated in scalar code (FLASHRL_NATIVE_EMULATE=amx,
     which traps on a tile shape the real instruction would refuse); each output against float64 and the tiles.
     K % 32 != 0 falls back to the other drivers."""
-    from flashrl_kernels._cpu import cpu_flags
-
     if not _caps()["bf16_dot"]:
         pytest.skip("no AVX-512 BF16 on this CPU: the bf16 rows drivers are not used here")
-    real = "amx_bf16" in cpu_flags()
+    real = _caps()["amx_bf16"]  # AMX-BF16 here and Linux granted the tile state
     runs = _rows_driver_runs(tmp_path, {
         "amx": {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "1",
                 "FLASHRL_NATIVE_EMULATE": "" if real else "amx"},

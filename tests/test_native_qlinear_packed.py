@@ -190,10 +190,8 @@ def test_brgemm_driver_equals_the_tiles(tmp_path):
 def test_amx_driver_equals_the_tiles(tmp_path):
     """The AMX-INT8 tiles driven by the library (qlinear_packed.cpp's amx driver: the tokens' codes as A, the
     packed block as B) give the tiles' outputs bit for bit: forced for every M in a fresh process, on real tiles
-    where this CPU has AMX-INT8, else emulated in scalar code (FLASHRL_NATIVE_EMULATE=amx), which also traps on
+    where this CPU has AMX-INT8 (and Linux grants it), else emulated in scalar code (FLASHRL_NATIVE_EMULATE=amx), which also traps on
     a tile shape the real instruction would refuse. K % 64 != 0 falls back to the other drivers."""
-    from flashrl_kernels._cpu import cpu_flags
-
     if _packed().packed_w8a8_capabilities()["kernel"] != "avx512_vnni":
         pytest.skip("the amx driver reads the 64-row VNNI layout of AVX-512 builds")
     code = textwrap.dedent("""
@@ -220,7 +218,7 @@ def test_amx_driver_equals_the_tiles(tmp_path):
                         cases.append((len(weights) - 1, x, bias, y))
         torch.save({"weights": weights, "cases": cases}, sys.argv[1])
     """)
-    real = "amx_int8" in cpu_flags()
+    real = _packed().packed_w8a8_capabilities()["amx"]  # AMX-INT8 here and Linux granted the tile state
     runs = {}
     for driver, env_add, min_m, emulated in (
             ("amx", {"FLASHRL_NATIVE_AMX_MIN_M": "1", "FLASHRL_NATIVE_EMULATE": "" if real else "amx"}, "1",

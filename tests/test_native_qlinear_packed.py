@@ -243,6 +243,40 @@ def test_amx_driver_equals_the_tiles(tmp_path):
             assert y_amx[m - 1].isnan().all()
 
 
+def test_amx_tile_instructions_are_the_ones_the_emulation_models(tmp_path):
+    """The emulation checks the drivers' addressing, not the encoding of their hand-written tile instructions
+    (amx_tiles.h's asm): every tdpbusd / tdpbf16ps in the library must be the instruction GCC's own intrinsics
+    assemble for the (C, A, B) the drivers name, e.g. _tile_dpbusd(4, 0, 2) = tmm4 += u8 tmm0 . s8 tmm2."""
+    import shutil
+
+    from flashrl_kernels import _native
+
+    if _packed().packed_w8a8_capabilities()["kernel"] != "avx512_vnni":
+        pytest.skip("an AVX2 build: the AMX drivers are the AVX-512 build's")
+    if not shutil.which("objdump") or not shutil.which("gcc"):
+        pytest.skip("no objdump / gcc to assemble and disassemble with")
+    # (C, A, B) of every dot product the two drivers issue (qlinear_packed.cpp amx_blocks, qlinear.cpp drive_amx_rows)
+    ops = {"tdpbusd": [(4, 0, 2), (5, 0, 3), (6, 0, 2), (7, 0, 3)],
+           "tdpbf16ps": [(4, 0, 1), (5, 2, 1), (6, 0, 1), (7, 2, 1)]}
+    src = tmp_path / "ref.c"
+    body = "".join(f"  _tile_{op[1:]}({c}, {a}, {b});\n" for op, triples in ops.items() for c, a, b in triples)
+    src.write_text('#include <immintrin.h>\n__attribute__((target("amx-tile,amx-int8,amx-bf16")))\n'
+                   f"void f(void) {{\n{body}}}\n")
+    obj = tmp_path / "ref.o"
+    r = subprocess.run(["gcc", "-O2", "-c", str(src), "-o", str(obj)], check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"this gcc has no AMX intrinsics: {r.stderr[-300:]}")
+
+    def dots(path):
+        asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], check=True, capture_output=True,
+                             text=True).stdout
+        return {" ".join(line.split()[1:]) for line in asm.splitlines() if "tdpb" in line}
+
+    want = dots(obj)
+    assert len(want) == 8
+    assert dots(_native.native_status().library) == want
+
+
 _EMULATED_AVX_VNNI = textwrap.dedent("""
     import sys, torch
     from flashrl_kernels import _native

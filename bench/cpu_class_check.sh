@@ -12,10 +12,11 @@
 #   1. the CPU's ISA flags, `flashrl-kernels info` (what the native build runs, "AMX permitted")
 #   2. fresh-process engines (tests/test_vllm_fresh_process.py): every flashrl engine starts and generates in a
 #      process that did no torch matmul first (issue 23's SIGILL on AMX), in-process and multi-process
-#   3. bench/cpu_linear_dispatch.py: tiles vs oneDNN brgemm per token count -> kBrgemmBf16MinMAmx (qlinear.cpp)
-#      and the `r.amx ? 4 : 0` brgemm threshold (qlinear_packed.cpp) on AMX; the AVX-VNNI tiles on AVX2 builds;
-#      on AMX CPUs also brgemm vs the AMX tiles flashrl drives (--drivers brgemm,amx) -> the defaults of
-#      FLASHRL_NATIVE_AMX_MIN_M / FLASHRL_NATIVE_AMX_BF16_MIN_M (0 until measured), and step 6 again with them on
+#   3. bench/cpu_linear_dispatch.py: tiles vs oneDNN brgemm per token count (kBrgemmBf16MinMNoAmx, qlinear.cpp;
+#      the AVX-VNNI tiles on AVX2 builds); on AMX CPUs also brgemm vs the AMX tiles flashrl drives (--drivers
+#      brgemm,amx), and bench/dispatch_ab.py: tiles vs those AMX tiles in one process, call by call (the
+#      thresholds kAmxInt8MinM / kAmxBf16MinM / kAmxBf16HeadMinM; cross-process rounds mislead on a shared VM),
+#      and step 6 again with the AMX tiles off (what they gain over oneDNN's brgemm in the engine)
 #   4. bench/cpu_int8_modes.py: weight-only vs W8A8 per token count (the plugin's activation_quant="auto")
 #   5. bench/int8_isa_ceiling.c: each int8 instruction mix's ceiling on one core (and the clock); on AMX CPUs
 #      bench/amx_tile_ceiling.c: the tiles' own (tdpbusd, tdpbf16ps), what the brgemm drivers are read against
@@ -80,6 +81,13 @@ if [[ $amx == 1 || $quick == 1 ]]; then  # without AMX (--quick only) the amx dr
   step linear_dispatch_amx "$PY" bench/cpu_linear_dispatch.py "${lin[@]}" --drivers brgemm,amx \
     --json "$out/linear_dispatch_amx.json"
 fi
+if [[ $amx == 1 ]]; then  # the AMX tiles' thresholds against the VNNI / vdpbf16ps tiles, in one process
+  off=FLASHRL_NATIVE_AMX_MIN_M=0,FLASHRL_NATIVE_AMX_BF16_MIN_M=0,FLASHRL_NATIVE_AMX_HEAD_MIN_M=0
+  off+=,FLASHRL_NATIVE_BRGEMM_MIN_M=0,FLASHRL_NATIVE_BF16_BRGEMM_MIN_M=0
+  step dispatch_ab "$PY" bench/dispatch_ab.py --variant "tiles:$off" \
+    --variant amx:FLASHRL_NATIVE_AMX_MIN_M=1,FLASHRL_NATIVE_AMX_BF16_MIN_M=1,FLASHRL_NATIVE_AMX_HEAD_MIN_M=1 \
+    --m 1,2,4,8,16,32,64 --rounds 9
+fi
 step int8_modes "$PY" bench/cpu_int8_modes.py "${modes[@]}" --json "$out/int8_modes.json"
 if command -v gcc >/dev/null; then
   step isa_ceiling bash -c "gcc -O2 bench/int8_isa_ceiling.c -o /tmp/int8_isa_ceiling && /tmp/int8_isa_ceiling"
@@ -89,10 +97,10 @@ if command -v gcc >/dev/null; then
 fi
 step rollout "$PY" -m flashrl_kernels.cli bench --op rollout --engines bf16,vllm_w8a8,flashrl_int8,flashrl_fp8 \
   "${roll[@]}" --json "$out/rollout.json"
-if [[ $amx == 1 ]]; then  # the same engines with the AMX tiles flashrl drives (off by default until measured)
-  step rollout_amx env FLASHRL_NATIVE_AMX_MIN_M=1 FLASHRL_NATIVE_AMX_BF16_MIN_M=1 \
-    "$PY" -m flashrl_kernels.cli bench --op rollout --engines bf16,vllm_w8a8,flashrl_int8,flashrl_fp8 \
-    --cases decode8,prefill --json "$out/rollout_amx.json"
+if [[ $amx == 1 ]]; then  # the flashrl engines with the AMX tiles flashrl drives against oneDNN's brgemm, one process
+  step rollout_amx_ab "$PY" bench/dispatch_ab.py --engines bf16,flashrl_int8,flashrl_fp8 --cases decode8,prefill \
+    --rounds 3 --variant default: \
+    --variant brgemm:FLASHRL_NATIVE_AMX_MIN_M=0,FLASHRL_NATIVE_AMX_BF16_MIN_M=0,FLASHRL_NATIVE_AMX_HEAD_MIN_M=0
 fi
 
 echo

@@ -21,7 +21,7 @@ run them:
   head   the bf16 LM head of both engines (the same switch as fp8, the rows read in place)
 --drivers picks the two (AVX-512 builds): tiles, brgemm, amx (AMX-INT8 / AMX-BF16 tiles driven by the library
 itself, qlinear_packed.cpp's amx driver and qlinear.cpp's drive_amx_rows, FLASHRL_NATIVE_AMX_MIN_M /
-FLASHRL_NATIVE_AMX_BF16_MIN_M; on a CPU without AMX it runs emulated in scalar code, FLASHRL_NATIVE_EMULATE=amx:
+FLASHRL_NATIVE_AMX_BF16_MIN_M / _AMX_HEAD_MIN_M; without AMX it runs emulated in scalar code, FLASHRL_NATIVE_EMULATE=amx:
 a check of the plumbing, its times mean nothing).
 The thresholds are read once per process, so each driver runs in its own fresh process, the two
 alternated round by round; every number is the median of --repeats calls of the whole set. Prints, per
@@ -45,12 +45,14 @@ SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # qkv, o, gate_up,
 HIDDEN = 896
 KERNELS = ("int8", "fp8", "head")
 # the environment of each driver's processes: the brgemm and amx thresholds (AVX-512 builds)
-_NO_AMX = {"FLASHRL_NATIVE_AMX_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "0", "FLASHRL_NATIVE_EMULATE": ""}
+_NO_AMX = {"FLASHRL_NATIVE_AMX_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "0", "FLASHRL_NATIVE_AMX_HEAD_MIN_M": "0",
+           "FLASHRL_NATIVE_EMULATE": ""}
 DRIVERS = {"tiles": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", **_NO_AMX},
            "brgemm": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1", **_NO_AMX},
            # brgemm below it: a call the amx drivers refuse (K % 64 / K % 32) runs what the brgemm process runs
            "amx": {"FLASHRL_NATIVE_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1",
-                   "FLASHRL_NATIVE_AMX_MIN_M": "1", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "1"}}
+                   "FLASHRL_NATIVE_AMX_MIN_M": "1", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "1",
+                   "FLASHRL_NATIVE_AMX_HEAD_MIN_M": "1"}}
 
 
 def avx512_drivers(names: list[str], cpu_has_amx: bool) -> dict[str, dict[str, str]]:
@@ -102,6 +104,7 @@ def _child(ms: list[int], layers: int, vocab: int, repeats: int, kernels: tuple[
                     "bf16": qlinear_capabilities()["bf16_brgemm_min_m"],
                     "amx_int8": packed_w8a8_capabilities()["amx_min_m"],
                     "amx_bf16": qlinear_capabilities()["amx_bf16_min_m"],
+                    "amx_head": qlinear_capabilities()["amx_head_min_m"],
                     "packed": packed_w8a8_capabilities()["kernel"]}}
     for m in ms:
         xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES} | {HIDDEN}}
@@ -137,7 +140,7 @@ def _run_child(driver: str, env: dict[str, str], ms: list[int], layers: int, voc
         want = 0 if driver == "tiles" else 1
         want_amx = 1 if driver == "amx" else 0
         ran = (caps["int8"] == want and caps["bf16"] == want and caps["amx_int8"] == want_amx
-               and caps["amx_bf16"] == want_amx)
+               and caps["amx_bf16"] == want_amx and caps["amx_head"] == want_amx)
     else:
         ran = caps["packed"] == driver
     if not ran:
@@ -183,7 +186,9 @@ def main(argv=None) -> int:
     if packed in ("avx2", "avx_vnni"):
         drivers, kernels = avx2_drivers("avx_vnni" in cpu_flags()), ("int8",)
     elif packed == "avx512_vnni" and qlinear_capabilities()["bf16_dot"]:
-        drivers, kernels = avx512_drivers(args.drivers.split(","), "amx_int8" in cpu_flags()), KERNELS
+        # AMX the library may use: on the CPU and not hidden by FLASHRL_NATIVE_CPU_DISABLE (else: emulated)
+        amx_usable = "amx_int8" in cpu_flags() and "amx" not in os.environ.get("FLASHRL_NATIVE_CPU_DISABLE", "")
+        drivers, kernels = avx512_drivers(args.drivers.split(","), amx_usable), KERNELS
         if drivers.get("amx", {}).get("FLASHRL_NATIVE_EMULATE") == "amx":
             print("amx: this CPU has no AMX-INT8: the amx driver runs emulated in scalar code (its times mean nothing)")
     else:

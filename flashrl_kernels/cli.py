@@ -78,7 +78,8 @@ def _quantized_linear_line() -> str:
                   "tokens" if packed["brgemm_min_m"] else "no brgemm")
         if packed["amx_min_m"]:
             how = " emulated (FLASHRL_NATIVE_EMULATE=amx: a test mode, slow)" if packed["amx_emulated"] else ""
-            brgemm += f"; AMX-INT8 tiles driven by flashrl{how} from {packed['amx_min_m']} tokens where K % 64 == 0"
+            brgemm = (f"AMX-INT8 tiles driven by flashrl{how} from {packed['amx_min_m']} tokens"
+                      + (f"; {brgemm} where K % 64 != 0" if packed["brgemm_min_m"] else ""))
         return f"INT8 W8A8 linear: VNNI-packed weights (tiles; {brgemm})"
     if caps["w8a8"]:
         kind = "AVX2 (vpmaddwd)" if _native.native_status().capability == "AVX2" else "VNNI"
@@ -100,12 +101,16 @@ def _bf16_activation_line() -> str:
     kernel = "vdpbf16ps tiles" if caps["bf16_dot"] else "fp32 FMA tiles (no AVX-512 BF16)"
     if caps["bf16_dot"]:
         kernel += ", fp8 widened by " + ("VBMI byte tables" if caps["fp8_byte_tables"] else "word tables (no AVX-512 VBMI)")
+    brgemm = ""
     if caps["bf16_brgemm_min_m"]:
         unit = "AMX-BF16 tiles" if caps["amx_bf16"] else "AVX-512 BF16"
-        kernel += f"; oneDNN brgemm ({unit}) from {caps['bf16_brgemm_min_m']} tokens"
+        brgemm = f"oneDNN brgemm ({unit}) from {caps['bf16_brgemm_min_m']} tokens"
     if caps["amx_bf16_min_m"]:
         how = " emulated (FLASHRL_NATIVE_EMULATE=amx: a test mode, slow)" if caps["amx_emulated"] else ""
-        kernel += f"; AMX-BF16 tiles driven by flashrl{how} from {caps['amx_bf16_min_m']} tokens where K % 32 == 0"
+        kernel += (f"; AMX-BF16 tiles driven by flashrl{how} from {caps['amx_bf16_min_m']} tokens"
+                   f" (the bf16 head from {caps['amx_head_min_m']})" + (f"; {brgemm} where K % 32 != 0" if brgemm else ""))
+    elif brgemm:
+        kernel += f"; {brgemm}"
     return f"FP8 / bf16-head linear: {kernel}"
 
 

@@ -256,7 +256,7 @@ def _check_rows_drivers(y_cases, tile_cases):
 
 
 _TILES_ENV = {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "0",
-              "FLASHRL_NATIVE_EMULATE": ""}
+              "FLASHRL_NATIVE_AMX_HEAD_MIN_M": "0", "FLASHRL_NATIVE_EMULATE": ""}
 
 
 def test_amx_rows_driver_vs_float64(tmp_path):
@@ -270,22 +270,23 @@ def test_amx_rows_driver_vs_float64(tmp_path):
     real = _caps()["amx_bf16"]  # AMX-BF16 here and Linux granted the tile state
     runs = _rows_driver_runs(tmp_path, {
         "amx": {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "1",
-                "FLASHRL_NATIVE_EMULATE": "" if real else "amx"},
+                "FLASHRL_NATIVE_AMX_HEAD_MIN_M": "1", "FLASHRL_NATIVE_EMULATE": "" if real else "amx"},
         "tiles": _TILES_ENV})
     caps = runs["amx"][0]
-    assert caps["amx_bf16_min_m"] == 1 and caps["amx_emulated"] == (not real), caps
-    assert runs["tiles"][0]["amx_bf16_min_m"] == 0
+    assert caps["amx_bf16_min_m"] == caps["amx_head_min_m"] == 1 and caps["amx_emulated"] == (not real), caps
+    assert runs["tiles"][0]["amx_bf16_min_m"] == runs["tiles"][0]["amx_head_min_m"] == 0
     _check_rows_drivers(runs["amx"][1], runs["tiles"][1])
 
 
 def test_brgemm_rows_driver_vs_float64(tmp_path):
     """oneDNN's bf16 brgemm with the weight rows as its A operand (AMX-BF16 tiles on AMX CPUs, AVX-512 BF16 code
     here): forced for every M in a fresh process, each output checked against float64 and against the tiles,
-    forced in another (on AMX CPUs the default process runs brgemm at every M)."""
+    forced in another (on AMX CPUs the default process runs brgemm only where the amx driver refuses the shape)."""
     if not _caps()["bf16_dot"]:
         pytest.skip("no AVX-512 BF16 on this CPU: oneDNN's bf16 brgemm is not used here")
     runs = _rows_driver_runs(tmp_path, {
-        "brgemm": {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "0"},
+        "brgemm": {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "1", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "0",
+                   "FLASHRL_NATIVE_AMX_HEAD_MIN_M": "0"},
         "tiles": _TILES_ENV})
     assert runs["brgemm"][0]["bf16_brgemm_min_m"] == 1 and runs["tiles"][0]["bf16_brgemm_min_m"] == 0
     _check_rows_drivers(runs["brgemm"][1], runs["tiles"][1])
@@ -465,3 +466,71 @@ def test_int8_modes_bench_measures_both_modes(tmp_path):
     assert {"weight-only", "w8a8"} <= set(res["raw"])
     assert all(len(res["raw"][mode]["3"]) == 2 and min(res["raw"][mode]["3"]) > 0 for mode in res["raw"])
     assert res["weight_only_over_w8a8"]["3"] > 0 and "| 3 |" in r.stdout
+
+
+_LIVE_SCRIPT = r"""
+import os, sys, torch
+import flashrl_kernels as fk
+from flashrl_kernels import _native
+_native.native_status(load=True)
+g = torch.Generator().manual_seed(3)
+# K = 4096: long enough sums that the two summation orders round some of the 32768 outputs to other bf16 values
+q, s = fk.quantize_rows(torch.randn(512, 4096, generator=g), torch.float8_e4m3fn)
+x = torch.randn(64, 4096, generator=g).bfloat16()
+ys = []
+for v in ("0", "1", "0"):
+    os.environ["FLASHRL_NATIVE_AMX_BF16_MIN_M"] = v
+    ys.append(torch.ops.flashrl_native.qlinear(x, q, s, None, False))
+torch.save(ys, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("live", ["1", "0"])
+def test_live_dispatch_switches_drivers_call_by_call(tmp_path, live):
+    """FLASHRL_NATIVE_DISPATCH_LIVE=1 (bench/dispatch_ab.py's mode) reads the thresholds at every call: the AMX rows
+    driver (real tiles, or emulated) and the tiles sum in another order, so flipping FLASHRL_NATIVE_AMX_BF16_MIN_M
+    between calls of one process changes the output bits and flipping it back restores them; without the mode the
+    first value read holds for the process."""
+    import os
+    import subprocess
+    import sys
+
+    if not _caps()["bf16_dot"]:
+        pytest.skip("no AVX-512 BF16 on this CPU: no AMX rows driver (real or emulated) to switch to")
+    real = _caps()["amx_bf16"]
+    out = tmp_path / "ys.pt"
+    env = {**os.environ, "FLASHRL_NATIVE_DISPATCH_LIVE": live, "FLASHRL_NATIVE_EMULATE": "" if real else "amx",
+           "FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0"}
+    r = subprocess.run([sys.executable, "-c", _LIVE_SCRIPT, str(out)], env=env, capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    tiles, amx, tiles_again = torch.load(out)
+    assert torch.equal(tiles, tiles_again)
+    if live == "1":
+        assert not torch.equal(tiles, amx)
+        assert (tiles.double() - amx.double()).abs().max() <= 8e-3 * tiles.double().abs().max()
+    else:
+        assert torch.equal(tiles, amx)
+
+
+def test_dispatch_ab_bench_runs(tmp_path):
+    """bench/dispatch_ab.py: a tiny real run of two variants alternated in one process, its table complete."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not _caps()["vector"]:
+        pytest.skip("no native quantized linear in this build")
+    root = Path(__file__).resolve().parents[1]
+    kernels = ["int8", "fp8", "head"] if _caps()["w8a8"] else ["fp8", "head"]
+    r = subprocess.run([sys.executable, str(root / "bench" / "dispatch_ab.py"), "--kernels", ",".join(kernels),
+                        "--m", "3,20", "--layers", "1", "--vocab", "256", "--rounds", "2", "--variant", "base:",
+                        "--variant", "nobrgemm:FLASHRL_NATIVE_BRGEMM_MIN_M=0,FLASHRL_NATIVE_BF16_BRGEMM_MIN_M=0"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ), check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert len(rows) == 2 * len(kernels)
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == 4 and all(float(c) > 0 for c in cells[1:]), line

@@ -7,6 +7,7 @@ integer sums, same epilogue) and the float64 spec within the dtype's tolerance, 
 VNNI tiles and oneDNN's brgemm, which runs AMX-INT8 tiles on CPUs that have them and is forced here in a
 subprocess with FLASHRL_NATIVE_BRGEMM_MIN_M=1; VNNI builds only).
 """
+import json
 import os
 import subprocess
 import sys
@@ -155,7 +156,7 @@ def test_results_do_not_depend_on_threads():
 def test_brgemm_driver_equals_the_tiles(tmp_path):
     """oneDNN's brgemm on the same bytes (AMX-INT8 tiles where the CPU has them, VNNI here) gives the same
     outputs as the tiles: each driver forced for every M in its own fresh process (on AMX CPUs the default
-    process runs brgemm from 4 tokens, so neither side is this process)."""
+    process runs the amx driver from 32 tokens, so neither side is this process; both turn it off)."""
     if _packed().packed_w8a8_capabilities()["kernel"] != "avx512_vnni":
         pytest.skip("oneDNN's u8 x s8 brgemm reads the 64-row VNNI layout only (AVX2 builds have no brgemm driver)")
     code = textwrap.dedent("""
@@ -178,7 +179,7 @@ def test_brgemm_driver_equals_the_tiles(tmp_path):
     runs = {}
     for driver, min_m in (("brgemm", "1"), ("tiles", "0")):
         out = tmp_path / f"{driver}.pt"
-        env = {**os.environ, "FLASHRL_NATIVE_BRGEMM_MIN_M": min_m}
+        env = {**os.environ, "FLASHRL_NATIVE_BRGEMM_MIN_M": min_m, "FLASHRL_NATIVE_AMX_MIN_M": "0"}
         subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, timeout=600)
         runs[driver] = torch.load(out)
     assert len(runs["brgemm"]) == len(runs["tiles"]) == 18
@@ -223,7 +224,8 @@ def test_amx_driver_equals_the_tiles(tmp_path):
     for driver, env_add, min_m, emulated in (
             ("amx", {"FLASHRL_NATIVE_AMX_MIN_M": "1", "FLASHRL_NATIVE_EMULATE": "" if real else "amx"}, "1",
              "0" if real else "1"),
-            ("tiles", {"FLASHRL_NATIVE_AMX_MIN_M": "0", "FLASHRL_NATIVE_EMULATE": ""}, "0", "0")):
+            ("tiles", {"FLASHRL_NATIVE_AMX_MIN_M": "0", "FLASHRL_NATIVE_BRGEMM_MIN_M": "0",
+                       "FLASHRL_NATIVE_EMULATE": ""}, "0", "0")):
         out = tmp_path / f"{driver}.pt"
         env = {**os.environ, **env_add}
         subprocess.run([sys.executable, "-c", code, str(out), min_m, emulated], check=True, env=env, timeout=900)
@@ -241,6 +243,62 @@ def test_amx_driver_equals_the_tiles(tmp_path):
         assert torch.equal(y_amx[m // 2], zero_token)  # u8 codes all 128, offset by the row sums to exactly 0
         if m > 2:
             assert y_amx[m - 1].isnan().all()
+
+
+_DECODE_TILES = textwrap.dedent("""
+    import json, sys, torch
+    from flashrl_kernels import _native
+    _native.native_status(load=True)
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities, quantize_rows_packed_
+    caps = packed_w8a8_capabilities()
+    assert caps["decode_tiles"] == json.loads(sys.argv[2]), caps
+    assert caps["amx_min_m"] == caps["brgemm_min_m"] == 0, caps
+    g = torch.Generator().manual_seed(11)
+    n, k = 64 * 7, 192  # 7 blocks: a thread's run is long enough for prefetches 1-3 blocks ahead
+    q = torch.empty(n, k, dtype=torch.int8); s = torch.empty(n); c = torch.empty(n, dtype=torch.int32)
+    quantize_rows_packed_(torch.randn(n, k, generator=g), q, s, c, 0)
+    b = torch.randn(n, generator=g)
+    cases = []
+    for m in list(range(1, 21)) + [33, 64, 70]:
+        x = torch.randn(m, k, generator=g) * 2
+        cases.append((x, torch.ops.flashrl_native.qlinear_packed(x, q, s, c, b)))
+    torch.save({"weight": (q, s, b), "cases": cases}, sys.argv[1])
+""")
+
+
+def test_decode_tile_shapes_and_prefetch_do_not_change_the_outputs(tmp_path):
+    """The VNNI tiles' decode shapes chosen per CPU class (one wide tile up to wide_max_m tokens, 4-token tiles
+    prefetching the block pf_spread ahead from pf_min_tiles tiles, the wide tile prefetching wide_pf ahead) give
+    the same outputs bit for bit at every token count 1-20 and a few prefill counts; each setting in a fresh
+    process, its capabilities checked so a setting that did not take effect fails."""
+    if _packed().packed_w8a8_capabilities()["kernel"] != "avx512_vnni":
+        pytest.skip("the decode tile shapes are the AVX-512 VNNI tiles'")
+    settings = [
+        {"pf_spread": 0, "pf_min_tiles": 4, "wide_max_m": 0, "wide_pf": 0},  # plain 4-token tiles, no prefetch
+        {"pf_spread": 1, "pf_min_tiles": 1, "wide_max_m": 8, "wide_pf": 1},
+        {"pf_spread": 3, "pf_min_tiles": 2, "wide_max_m": 7, "wide_pf": 2},
+        {"pf_spread": 1, "pf_min_tiles": 4, "wide_max_m": 5, "wide_pf": 0},
+    ]
+    env_names = {"pf_spread": "FLASHRL_NATIVE_PACKED_PF_SPREAD", "pf_min_tiles": "FLASHRL_NATIVE_PACKED_PF_MIN_TILES",
+                 "wide_max_m": "FLASHRL_NATIVE_PACKED_WIDE_MAX_M", "wide_pf": "FLASHRL_NATIVE_PACKED_WIDE_PF"}
+    runs = []
+    for i, setting in enumerate(settings):
+        out = tmp_path / f"s{i}.pt"
+        env = {**os.environ, "FLASHRL_NATIVE_AMX_MIN_M": "0", "FLASHRL_NATIVE_BRGEMM_MIN_M": "0",
+               **{env_names[key]: str(v) for key, v in setting.items()}}
+        subprocess.run([sys.executable, "-c", _DECODE_TILES, str(out), json.dumps(setting)], check=True, env=env,
+                       timeout=600)
+        runs.append(torch.load(out))
+    assert len(runs[0]["cases"]) == 23
+    for run, setting in zip(runs[1:], settings[1:]):
+        for (x, y0), (x1, y1) in zip(runs[0]["cases"], run["cases"]):
+            assert torch.equal(x, x1)
+            assert torch.equal(y0, y1), (x.shape[0], setting)
+    q, s, b = runs[0]["weight"]  # the shared baseline against the float64 spec
+    plain = _packed().unpack_rows(q)
+    for x, y in runs[0]["cases"]:
+        ref = scaled_linear_spec(x, plain, s, b, True)
+        assert (y.double() - ref).abs().max().item() <= TOL[torch.float32] * ref.abs().max().item()
 
 
 def test_amx_tile_instructions_are_the_ones_the_emulation_models(tmp_path):

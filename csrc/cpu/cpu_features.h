@@ -30,6 +30,14 @@ inline int64_t env_int(const char* name, int64_t fallback) {
   return (end && *end == '\0' && r >= 0) ? static_cast<int64_t>(r) : fallback;
 }
 
+// A dispatch threshold: `cached` (read once per process), or with FLASHRL_NATIVE_DISPATCH_LIVE=1 the variable read
+// again at every call, so that one process can alternate drivers call by call (bench/dispatch_ab.py: on a shared VM
+// whose bandwidth moves between processes, the only comparison that held). A measurement mode, not for production.
+inline int64_t dispatch_int(const char* name, int64_t cached) {
+  static const bool live = env_int("FLASHRL_NATIVE_DISPATCH_LIVE", 0) != 0;
+  return live ? env_int(name, cached) : cached;
+}
+
 // "avx512bf16", "avx512vnni", "avx512vbmi", "avxvnni" (AVX-VNNI: VEX-encoded vpdpbusd on ymm, Alder Lake and later client
 // cores, Sierra Forest; no AVX-512 needed), "amx" (AMX-TILE and AMX-INT8) or "amx_bf16" (AMX-TILE and AMX-BF16)
 inline bool cpu_has(const char* what) {

@@ -22,8 +22,10 @@
 //                              (drive_decode_bf16), larger M once per block of 4 rows into a per-thread scratch.
 //   weight-only otherwise:     weights widened to fp32, FMA into fp32 accumulators (AVX-512 or AVX2).
 //   bf16_linear:               the same bf16 tiles on a plain bf16 weight's own rows (a model-dtype LM head).
-//   bf16 x from FLASHRL_NATIVE_BF16_BRGEMM_MIN_M tokens (default: 8 on AMX-BF16 CPUs, never elsewhere), weight-only
-//   and bf16_linear alike: oneDNN's bf16 brgemm with the rows as its A operand (drive_brgemm_rows).
+//   bf16 x on AMX-BF16 CPUs, weight-only and bf16_linear alike: AMX-BF16 tiles driven here on the rows
+//   (drive_amx_rows; FLASHRL_NATIVE_AMX_BF16_MIN_M / _AMX_HEAD_MIN_M, default 1 / 5 tokens); where it is off or
+//   refuses the shape, from FLASHRL_NATIVE_BF16_BRGEMM_MIN_M tokens (default 1 on AMX-BF16 CPUs, 128 on AVX-512
+//   BF16 ones, never elsewhere) oneDNN's bf16 brgemm with the rows as its A operand (drive_brgemm_rows).
 //   DEFAULT (portable) builds: scalar loops (the Python side prefers ATen there).
 // FP8 e4m3fn widens to value * 2^-8 (the 2^8 goes into the row scale): to fp32 through fp16 (its bits shifted
 // into an fp16, subnormals included, which vcvtph2ps converts exactly), to bf16 by a 128-entry table held in
@@ -80,11 +82,18 @@ constexpr float kZeroRowAmax = 0x1p-100f;
 constexpr int64_t kPrefetchBlocks = 4;
 constexpr int64_t kPrefetchTiles = 3;  // token tiles of a row block that prefetch (see drive512)
 // tokens from which bf16-activation calls run oneDNN's brgemm (drive_brgemm_rows), by CPU class (docs/native.md):
-// AMX-BF16 from 1 (measured on an Emerald Rapids VM with AMX: fp8 layers 0.85-0.93x the tiles' time at 1 token,
-// 0.55x at 8, 0.22-0.26x from 32; the bf16 head 0.76-1.07x at 1, even at 4, 0.65x at 8); AVX-512 BF16 without AMX
-// from 128 (prefill): at 1-16 tokens 1.5-2.2x slower (a 16-lane vector of B holds that few tokens; the same
-// Xeon with AMX hidden), from 128 0.87-0.95x the tiles' time (Zen 4: fp8 layers and the head, 128-2048 tokens)
+// AMX-BF16 from 1, only where drive_amx_rows refuses the shape (K % 32 != 0): it took 0.4-0.9x brgemm's time at
+// every M (and brgemm had been measured 0.85-0.93x the tiles' time at 1 token on an Emerald Rapids VM); AVX-512
+// BF16 without AMX from 128 (prefill): at 1-16 tokens 1.5-2.2x slower (a 16-lane vector of B holds that few
+// tokens; the same Xeon with AMX hidden), from 128 0.87-0.95x the tiles' time (Zen 4: fp8 layers and the head,
+// 128-2048 tokens)
 constexpr int64_t kBrgemmBf16MinMAmx = 1;
+// tokens from which AMX-BF16 CPUs run drive_amx_rows (in-process interleaved A/B, Emerald Rapids VM): fp8 layers
+// (rows widened into scratch) 0.77-0.86x the tiles' time at 1-4 tokens, 0.39-0.54x from 6; the bf16 head (rows
+// read in place) 1.12-1.16x at 1-4 (the tiles stream the head at the machine's bandwidth; a prefetch of the 64
+// row streams gained nothing), 0.77-0.89x at 6-8, 0.42-0.50x at 16
+constexpr int64_t kAmxBf16MinM = 1;
+constexpr int64_t kAmxBf16HeadMinM = 5;
 constexpr int64_t kBrgemmBf16MinMNoAmx = 128;
 
 
@@ -983,6 +992,7 @@ struct BrgemmBf16Config {
   int64_t min_m = 0;
   bool amx_emulated = false;  // drive_amx_rows on emulated tiles (FLASHRL_NATIVE_EMULATE=amx; a test mode)
   int64_t amx_min_m = 0;  // tokens from which a bf16-activation call runs drive_amx_rows (0: never)
+  int64_t amx_head_min_m = 0;  // the same for bf16 weights (the LM head: rows read in place)
 };
 const BrgemmBf16Config& brgemm_bf16_config() {
   static const BrgemmBf16Config c = [] {
@@ -995,17 +1005,26 @@ const BrgemmBf16Config& brgemm_bf16_config() {
     r.min_m = kHasBf16 || r.amx_bf16 ? env_int("FLASHRL_NATIVE_BF16_BRGEMM_MIN_M", fallback) : 0;
     const char* emulate = std::getenv("FLASHRL_NATIVE_EMULATE");
     r.amx_emulated = kHasBf16 && !r.amx_bf16 && emulate && std::strstr(emulate, "amx");
-    // emulated: every M (a test of the driver); real tiles: off until an AMX machine has measured them
-    if (r.amx_bf16 || r.amx_emulated)
-      r.amx_min_m = env_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", r.amx_emulated ? 1 : 0);
+    // emulated: every M (a test of the driver); real tiles: from kAmxBf16MinM / kAmxBf16HeadMinM
+    if (r.amx_bf16 || r.amx_emulated) {
+      r.amx_min_m = env_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", r.amx_emulated ? 1 : kAmxBf16MinM);
+      r.amx_head_min_m = env_int("FLASHRL_NATIVE_AMX_HEAD_MIN_M", r.amx_emulated ? 1 : kAmxBf16HeadMinM);
+    }
 #endif
     return r;
   }();
   return c;
 }
 
-inline bool use_brgemm_rows(int64_t M, int64_t K) {
-  const int64_t min_m = brgemm_bf16_config().min_m;
+// (on AMX CPUs only the shapes drive_amx_rows refuses: below its threshold the tiles run)
+inline bool use_brgemm_rows(int64_t M, int64_t K, bool head) {
+  const BrgemmBf16Config& c = brgemm_bf16_config();
+  if (c.amx_bf16 || c.amx_emulated) {
+    const int64_t amx_min_m = head ? dispatch_int("FLASHRL_NATIVE_AMX_HEAD_MIN_M", c.amx_head_min_m)
+                                   : dispatch_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", c.amx_min_m);
+    if (amx_min_m > 0 && K % 32 == 0) return false;
+  }
+  const int64_t min_m = kHasBf16 || c.amx_bf16 ? dispatch_int("FLASHRL_NATIVE_BF16_BRGEMM_MIN_M", c.min_m) : 0;
   return min_m > 0 && M >= min_m && K % 2 == 0;
 }
 
@@ -1015,7 +1034,10 @@ template <typename Q>
 bool try_amx_rows(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx, const Q* w, int64_t ldw,
                   const float* scale, const float* bias, c10::BFloat16* y) {
   const BrgemmBf16Config& c = brgemm_bf16_config();
-  if (c.amx_min_m == 0 || M < c.amx_min_m || K % 32 != 0) return false;
+  if (!c.amx_bf16 && !c.amx_emulated) return false;
+  const int64_t min_m = std::is_same_v<Q, c10::BFloat16> ? dispatch_int("FLASHRL_NATIVE_AMX_HEAD_MIN_M", c.amx_head_min_m)
+                                                         : dispatch_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", c.amx_min_m);
+  if (min_m == 0 || M < min_m || K % 32 != 0) return false;
   if (c.amx_emulated)
     drive_amx_rows<EmulatedAmxOps, Q>(M, N, K, x, ldx, w, ldw, scale, bias, y);
   else
@@ -1052,7 +1074,7 @@ void run_avx512(const at::Tensor& x, const at::Tensor& q, const float* scale, co
 #if defined(FLASHRL_HAS_BF16_BRGEMM)
       if (try_amx_rows<Q>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), w, ldw, sc.data(), bias, yp))
         return;
-      if (use_brgemm_rows(M, K)) {
+      if (use_brgemm_rows(M, K, false)) {
         drive_brgemm_rows<Q>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), w, ldw, sc.data(), bias, yp);
         return;
       }
@@ -1182,7 +1204,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   if (try_amx_rows<c10::BFloat16>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), wp, w.stride(0), nullptr,
                                   bp, y.data_ptr<c10::BFloat16>()))
     return y;
-  if (use_brgemm_rows(M, K)) {
+  if (use_brgemm_rows(M, K, true)) {
     drive_brgemm_rows<c10::BFloat16>(M, N, K, x.const_data_ptr<c10::BFloat16>(), x.stride(0), wp, w.stride(0), nullptr,
                                      bp, y.data_ptr<c10::BFloat16>());
     return y;
@@ -1227,9 +1249,9 @@ std::vector<int64_t> qlinear_caps() {
 #if defined(CPU_CAPABILITY_AVX512)
   const BrgemmBf16Config& b = brgemm_bf16_config();
   return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m, int64_t{kHasFp8Bytes},
-          b.amx_min_m, int64_t{b.amx_emulated}};
+          b.amx_min_m, int64_t{b.amx_emulated}, b.amx_head_min_m};
 #else
-  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0, 0, 0, 0};
+  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0, 0, 0, 0, 0};
 #endif
 }
 

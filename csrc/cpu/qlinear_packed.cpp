@@ -20,13 +20,13 @@
 //   tiles:  4 tokens x 64 rows of int32 accumulators (16 zmm); a thread streams its contiguous run of row blocks
 //           once per 4 tokens (decode: from memory; prefill: tokens in chunks whose codes stay in L2, the block
 //           re-read from L2 by every 4 tokens of the chunk);
-//   brgemm: oneDNN's u8 x s8 batch-reduce GEMM (ATen's cpublas::brgemm, ld_b = 64), which runs AMX-INT8 tiles on
-//           CPUs that have them; taken for M >= FLASHRL_NATIVE_BRGEMM_MIN_M (default: 4 on AMX CPUs, never
-//           elsewhere, where the tiles are faster; docs/native.md);
 //   amx:    AMX-INT8 tiles driven here (amx_tiles.h), the tokens' u8 codes as A and the packed block itself as B
 //           (a k-group of 16 rows is one 64-byte tile row, stride 256): no call per block, no copy of the weight.
-//           Taken for M >= FLASHRL_NATIVE_AMX_MIN_M (default 0: never, until measured on an AMX machine) when
-//           K % 64 == 0 and AMX-INT8 is granted; FLASHRL_NATIVE_EMULATE=amx runs it emulated (tests).
+//           Taken for M >= FLASHRL_NATIVE_AMX_MIN_M (default 4 where AMX-INT8 is granted, kAmxInt8MinM; never
+//           elsewhere) when K % 64 == 0; FLASHRL_NATIVE_EMULATE=amx runs it emulated (tests);
+//   brgemm: oneDNN's u8 x s8 batch-reduce GEMM (ATen's cpublas::brgemm, ld_b = 64), AMX-INT8 tiles on CPUs that
+//           have them; taken for M >= FLASHRL_NATIVE_BRGEMM_MIN_M (default 4 on AMX CPUs, never elsewhere, where
+//           the tiles are faster) where the amx driver is off or refuses the shape (docs/native.md).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -64,6 +64,15 @@ namespace {
 constexpr int64_t kTokenChunk = 256;  // tokens per pass over the weight: their u8 codes (256 K bytes) stay in L2
 constexpr int64_t kTokenChunkAvx2 = 128;  // the same for the AVX2 kernel's int16 codes (256 K bytes)
 constexpr int64_t kBrgemmRows = 32;  // tokens per brgemm call (two 16-row AMX tiles of A)
+// tokens from which AMX CPUs run the amx driver; the VNNI tiles below it. Measured on an Emerald Rapids VM
+// (docs/native.md "AMX tiles driven by flashrl", in-process interleaved A/B of the 24-layer set): with its
+// prefetch, amx / tiles 0.98-1.19 at 1-2 tokens, 0.75-0.84 at 4-16, 0.73-0.86 at 32, 0.59-0.63 at 64; oneDNN's
+// brgemm 1.1-2.8x the amx driver's time at every M, so it only runs where the amx driver refuses the shape
+constexpr int64_t kAmxInt8MinM = 4;
+// bytes ahead of its reads that the amx driver's first token block prefetches (a 4 KiB step, one line each):
+// the tile loads' strided rows are not followed by the prefetchers as the tiles' vector loads are; 4-64 KiB
+// measured alike, 0.75-0.86x the time without at 4-32 tokens when the VM's bandwidth was contended
+constexpr int64_t kAmxPrefetchBytes = 8 * 1024;
 constexpr int64_t kMaxK = 65536;  // int32 sums of (u8 + 128) x s8 products stay exact
 
 struct PackedConfig {
@@ -75,6 +84,12 @@ struct PackedConfig {
   int64_t brgemm_min_m = 0;  // 0: never
   bool amx_emulated = false;  // the amx driver on emulated tiles (FLASHRL_NATIVE_EMULATE=amx; a test mode)
   int64_t amx_min_m = 0;  // tokens from which the amx driver runs (0: never)
+  int64_t amx_pf_bytes = 0;  // how far ahead the amx driver prefetches the weight (0: no prefetch)
+  // the VNNI tiles' decode shapes (packed_blocks; docs/native.md "Decode tiles and prefetch")
+  int64_t pf_spread = 1;  // blocks ahead that the token tiles of a block prefetch (0: none)
+  int64_t pf_min_tiles = 4;  // 4-token tiles a block needs before they prefetch
+  int64_t wide_max_m = 8;  // tokens up to which (from 5) one wide tile reads the block once (0: never)
+  int64_t wide_pf = 0;  // blocks ahead that the wide tile prefetches (0: none)
 };
 
 const PackedConfig& config() {
@@ -95,16 +110,24 @@ const PackedConfig& config() {
     r.amx = cpu_has("amx") && at::cpu::init_amx();
 #endif
 #if defined(CPUBLAS_BRGEMM_U8I8I32)
-    if (r.vnni) r.brgemm_min_m = env_int("FLASHRL_NATIVE_BRGEMM_MIN_M", r.amx ? 4 : 0);  // the 64-row layout only
+    // on AMX only where the amx driver refuses the shape (K % 64 != 0): slower than the amx driver at every M
+    if (r.vnni) r.brgemm_min_m = env_int("FLASHRL_NATIVE_BRGEMM_MIN_M", r.amx ? 4 : 0);
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
     if (r.vnni) {
       const char* emulate = std::getenv("FLASHRL_NATIVE_EMULATE");
       r.amx_emulated = emulate && std::strstr(emulate, "amx") && !r.amx;
-      // emulated: every M (a test of the driver); real tiles: off until an AMX machine has measured them
-      if (r.amx || r.amx_emulated) r.amx_min_m = env_int("FLASHRL_NATIVE_AMX_MIN_M", r.amx_emulated ? 1 : 0);
+      // emulated: every M (a test of the driver); real tiles: from kAmxInt8MinM
+      if (r.amx || r.amx_emulated)
+        r.amx_min_m = env_int("FLASHRL_NATIVE_AMX_MIN_M", r.amx_emulated ? 1 : kAmxInt8MinM);
     }
 #endif
+    r.amx_pf_bytes = env_int("FLASHRL_NATIVE_AMX_PF_KB", kAmxPrefetchBytes / 1024) * 1024;
+    r.pf_spread = env_int("FLASHRL_NATIVE_PACKED_PF_SPREAD", 1);
+    r.pf_min_tiles = env_int("FLASHRL_NATIVE_PACKED_PF_MIN_TILES", 4);
+    // the wide tile takes 7 tokens and a 1-token tile the 8th: no more than 8
+    r.wide_max_m = std::min<int64_t>(8, env_int("FLASHRL_NATIVE_PACKED_WIDE_MAX_M", 8));
+    r.wide_pf = env_int("FLASHRL_NATIVE_PACKED_WIDE_PF", 0);
     return r;
   }();
   return c;
@@ -166,12 +189,14 @@ FLASHRL_VNNI_TARGET inline void dpbusd_mem(__m512i& acc, __m512i a, const int8_t
 // fill the 32 vector registers, so the weights are the dot products' memory operands (L1 hits after the first)
 template <int MT, typename Out>
 FLASHRL_VNNI_TARGET inline void packed_tile_wide(const uint8_t* a, int64_t lda, const int8_t* w, int64_t groups,
-                                                 const Epilogue& e, int64_t m0, int64_t n0, Out* y) {
+                                                 const Epilogue& e, int64_t m0, int64_t n0, Out* y,
+                                                 const char* pf = nullptr, int64_t pf_bytes = 0) {
   static_assert(MT <= 7, "MT x 4 accumulators + 1 broadcast must fit 32 registers");
   __m512i acc[MT][4];
   FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
     FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_si512();
   for (int64_t g = 0; g < groups; ++g) {
+    if (pf) _mm_prefetch(pf + (g * pf_bytes / groups & ~int64_t{63}), _MM_HINT_T1);
     const int8_t* wg = w + g * kPackGroup;
     FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m) {
       int32_t a4;
@@ -187,16 +212,17 @@ FLASHRL_VNNI_TARGET inline void packed_tile_wide(const uint8_t* a, int64_t lda, 
   }
 }
 
-// MT tokens x the 64 rows of one block, over all K: w points at the block, a at the first token's codes.
-// (Software prefetches, of this block or the next, measured no gain: a thread's blocks are one contiguous stream,
-// which the hardware prefetchers follow.)
-template <int MT, typename Out>
+// MT tokens x the 64 rows of one block, over all K: w points at the block, a at the first token's codes; pf_bytes
+// from pf are prefetched into L2 over the k-groups, a line every few groups (packed_blocks says what).
+template <int MT, bool kPrefetch, typename Out>
 FLASHRL_VNNI_TARGET inline void packed_tile(const uint8_t* a, int64_t lda, const int8_t* w, int64_t groups,
-                                            const Epilogue& e, int64_t m0, int64_t n0, Out* y) {
+                                            const Epilogue& e, int64_t m0, int64_t n0, Out* y,
+                                            const char* pf = nullptr, int64_t pf_bytes = 0) {
   __m512i acc[MT][4];
   FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
     FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_si512();
   for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (kPrefetch) _mm_prefetch(pf + (g * pf_bytes / groups & ~int64_t{63}), _MM_HINT_T1);
     const int8_t* wg = w + g * kPackGroup;
     __m512i wv[4];
     FLASHRL_UNROLL_PACKED for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_si512(wg + 64 * c);
@@ -223,32 +249,50 @@ FLASHRL_VNNI_TARGET void packed_blocks(const uint8_t* a, int64_t K, const int8_t
   using I2 = std::integral_constant<int, 2>;
   using I3 = std::integral_constant<int, 3>;
   using I4 = std::integral_constant<int, 4>;
-  auto tile = [&](auto mt, const uint8_t* am, const int8_t* wb, int64_t m0, int64_t n0)
-      __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512vnni"))) {
-    packed_tile<decltype(mt)::value>(am, K, wb, groups, e, m0, n0, y);
+  auto tile = [&](auto mt, const uint8_t* am, const int8_t* wb, int64_t m0, int64_t n0, const char* pf = nullptr,
+                  int64_t pb = 0) __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512vnni"))) {
+    if (pf)
+      packed_tile<decltype(mt)::value, true>(am, K, wb, groups, e, m0, n0, y, pf, pb);
+    else
+      packed_tile<decltype(mt)::value, false>(am, K, wb, groups, e, m0, n0, y);
   };
+  // With 4-16 token tiles a block (13-64 tokens), each tile prefetches its share of the block `spread` blocks ahead
+  // into L2, spread over its k-groups, so that the block's first tile finds it there instead of streaming it from
+  // DRAM while the others compute from L2 (docs/native.md: 0.88-0.93x the time at 13-32 tokens on Zen 4, 0.99x at
+  // 64, nothing at 128; prefetching a whole block from the first tile, tried before, doubled that tile's DRAM
+  // demand and gained nothing)
+  const PackedConfig& cfg = config();
+  const int64_t spread = cfg.pf_spread, ntiles = (mend - mc + 3) / 4, share = (block_bytes + ntiles - 1) / ntiles;
   const int64_t mlen = mend - mc;
   for (int64_t b = b0; b < b1; ++b) {
     const int8_t* wb = w + b * block_bytes;
     const int64_t n0 = b * kPackRows;
-    if (mlen > 4 && mlen <= 8) {  // decode: one pass over the weight for (up to) 7 of the tokens
+    if (mlen > 4 && mlen <= cfg.wide_max_m) {  // decode: one pass over the weight for (up to) 7 of the tokens
       const uint8_t* am = a + mc * K;
       const int64_t first = std::min<int64_t>(7, mlen);
+      const char* wpf =
+          cfg.wide_pf > 0 && b + cfg.wide_pf < b1 ? reinterpret_cast<const char*>(wb + cfg.wide_pf * block_bytes)
+                                                  : nullptr;
       switch (first) {
-        case 7: packed_tile_wide<7>(am, K, wb, groups, e, mc, n0, y); break;
-        case 6: packed_tile_wide<6>(am, K, wb, groups, e, mc, n0, y); break;
-        default: packed_tile_wide<5>(am, K, wb, groups, e, mc, n0, y);
+        case 7: packed_tile_wide<7>(am, K, wb, groups, e, mc, n0, y, wpf, block_bytes); break;
+        case 6: packed_tile_wide<6>(am, K, wb, groups, e, mc, n0, y, wpf, block_bytes); break;
+        default: packed_tile_wide<5>(am, K, wb, groups, e, mc, n0, y, wpf, block_bytes);
       }
       if (mlen > first) tile(I1{}, a + (mc + first) * K, wb, mc + first, n0);
       continue;
     }
+    const char* next = spread > 0 && ntiles >= cfg.pf_min_tiles && ntiles <= 16 && b + spread < b1
+                           ? reinterpret_cast<const char*>(wb + spread * block_bytes) : nullptr;
     for (int64_t m0 = mc; m0 < mend; m0 += 4) {
       const uint8_t* am = a + m0 * K;
+      const int64_t t = (m0 - mc) / 4;
+      const char* pf = next ? next + t * share : nullptr;
+      const int64_t pb = std::max<int64_t>(0, std::min(share, block_bytes - t * share));
       switch (std::min<int64_t>(4, mend - m0)) {
-        case 4: tile(I4{}, am, wb, m0, n0); break;
-        case 3: tile(I3{}, am, wb, m0, n0); break;
-        case 2: tile(I2{}, am, wb, m0, n0); break;
-        default: tile(I1{}, am, wb, m0, n0);
+        case 4: tile(I4{}, am, wb, m0, n0, pf, pb); break;
+        case 3: tile(I3{}, am, wb, m0, n0, pf, pb); break;
+        case 2: tile(I2{}, am, wb, m0, n0, pf, pb); break;
+        default: tile(I1{}, am, wb, m0, n0, pf, pb);
       }
     }
   }
@@ -292,6 +336,7 @@ void amx_blocks(const uint8_t* a, int64_t K, const int8_t* w, int64_t b0, int64_
   for (int t = 4; t < 8; ++t) cfg.set(t, 16, 64);
   Ops::config(&cfg);
   const int64_t block_bytes = K / 4 * kPackGroup, steps = K / 64;
+  const int64_t pf_ahead = dispatch_int("FLASHRL_NATIVE_AMX_PF_KB", config().amx_pf_bytes / 1024) * 1024;
   alignas(64) int32_t c[16 * kPackRows];
   for (int64_t b = b0; b < b1; ++b) {
     const int8_t* wb = w + b * block_bytes;
@@ -301,8 +346,13 @@ void amx_blocks(const uint8_t* a, int64_t K, const int8_t* w, int64_t b0, int64_
       Ops::template zero<6>();
       Ops::template zero<7>();
       const uint8_t* am = a + m0 * K;
+      const int64_t ahead = m0 == mc ? pf_ahead : 0;  // later token blocks re-read the block from L2
       for (int64_t s = 0; s < steps; ++s) {
         const int8_t* g = wb + s * 16 * kPackGroup;  // k-groups 16 s .. 16 s + 15 of the block
+        if (ahead) {  // the 4 KiB this step reads, `ahead` bytes on in the thread's contiguous run of blocks
+          const char* p = reinterpret_cast<const char*>(g) + ahead;
+          for (int l = 0; l < 16 * kPackGroup / 64; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
+        }
         Ops::template load<0>(am + 64 * s, K);
         Ops::template load<2>(g, kPackGroup);
         Ops::template load<3>(g + 64, kPackGroup);
@@ -582,7 +632,10 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
     bias_f.assign(b.const_data_ptr<float>(), b.const_data_ptr<float>() + N);
   }
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool amx = config().amx_min_m > 0 && M >= config().amx_min_m && K % 64 == 0;
+  // (live thresholds only where the tiles run at all: AMX granted, or emulated)
+  const bool amx_here = config().amx || config().amx_emulated;
+  const int64_t amx_min_m = amx_here ? dispatch_int("FLASHRL_NATIVE_AMX_MIN_M", config().amx_min_m) : 0;
+  const bool amx = amx_min_m > 0 && M >= amx_min_m && K % 64 == 0;
   // the amx driver reads whole 16-token blocks of codes
   std::vector<int8_t> xq(static_cast<size_t>((amx ? (M + 15) / 16 * 16 : M) * K));
   std::vector<float> xs(static_cast<size_t>(M));
@@ -602,8 +655,8 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
       return;
     }
 #if defined(CPUBLAS_BRGEMM_U8I8I32)
-    const int64_t min_m = config().brgemm_min_m;
-    if (min_m > 0 && M >= min_m) {
+    const int64_t min_m = config().vnni ? dispatch_int("FLASHRL_NATIVE_BRGEMM_MIN_M", config().brgemm_min_m) : 0;
+    if (min_m > 0 && M >= min_m && !(amx_min_m > 0 && K % 64 == 0)) {  // (the amx driver took those above)
       drive_brgemm<Out>(M, N, K, a, w, e, yp);
       return;
     }
@@ -652,7 +705,8 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
 std::vector<int64_t> qlinear_packed_caps() {
   const PackedConfig& c = config();
   const int64_t kernel = c.vnni ? 2 : c.avx_vnni_emulated ? 4 : c.avx_vnni ? 3 : c.avx2 ? 1 : 0;
-  return {kernel, int64_t{c.amx}, c.brgemm_min_m, kPackRows, c.amx_min_m, int64_t{c.amx_emulated}};
+  return {kernel, int64_t{c.amx}, c.brgemm_min_m, kPackRows, c.amx_min_m, int64_t{c.amx_emulated},
+          c.pf_spread, c.pf_min_tiles, c.wide_max_m, c.wide_pf};
 }
 
 }  // namespace

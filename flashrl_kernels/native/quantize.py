@@ -64,12 +64,14 @@ def qlinear_capabilities() -> dict:
     oneDNN's brgemm with the weight rows as its A operand (0: never; FLASHRL_NATIVE_BF16_BRGEMM_MIN_M),
     'fp8_byte_tables': fp8 rows widen to bf16 64 weights at a time by AVX-512 VBMI byte permutes (else 32 at a time
     by word permutes), 'amx_bf16_min_m': tokens from which those calls (K % 32 == 0) run AMX-BF16 tiles driven by
-    the library itself, before brgemm (0: never; FLASHRL_NATIVE_AMX_BF16_MIN_M), 'amx_emulated': those tiles
-    emulated in scalar code, for tests on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx)."""
-    w8a8, bf16, vec, amx_bf16, min_m, fp8_bytes, amx_min_m, amx_emulated = torch.ops.flashrl_native.qlinear_caps()
+    the library itself (0: never; FLASHRL_NATIVE_AMX_BF16_MIN_M; on AMX CPUs brgemm then runs only the shapes they
+    refuse), 'amx_head_min_m': the same for bf16 weights, the LM head (FLASHRL_NATIVE_AMX_HEAD_MIN_M),
+    'amx_emulated': those tiles emulated in scalar code, for tests on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx)."""
+    (w8a8, bf16, vec, amx_bf16, min_m, fp8_bytes, amx_min_m, amx_emulated,
+     amx_head_min_m) = torch.ops.flashrl_native.qlinear_caps()
     return {"w8a8": bool(w8a8), "bf16_dot": bool(bf16), "vector": bool(vec), "amx_bf16": bool(amx_bf16),
             "bf16_brgemm_min_m": int(min_m), "fp8_byte_tables": bool(fp8_bytes), "amx_bf16_min_m": int(amx_min_m),
-            "amx_emulated": bool(amx_emulated)}
+            "amx_emulated": bool(amx_emulated), "amx_head_min_m": int(amx_head_min_m)}
 
 
 def w8a8_native(q: torch.Tensor) -> bool:
@@ -144,15 +146,21 @@ def packed_w8a8_capabilities() -> dict:
     'amx': AMX-INT8 tiles granted to this process, 'brgemm_min_m': tokens from which a call runs oneDNN's brgemm
     (0: never), 'amx_min_m': tokens from which a call (K % 64 == 0) runs the AMX-INT8 tiles driven by the library
     itself (0: never; FLASHRL_NATIVE_AMX_MIN_M), 'amx_emulated': those tiles emulated in scalar code, for tests
-    on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx)}.
+    on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx), 'decode_tiles': the VNNI tiles' shapes at few tokens, by CPU
+    class ({'pf_spread': blocks ahead the 4-token tiles of a block prefetch, 'pf_min_tiles': from how many such
+    tiles, 'wide_max_m': tokens up to which (from 5) one wide tile reads each block once, 'wide_pf': blocks ahead
+    it prefetches}; FLASHRL_NATIVE_PACKED_PF_SPREAD / _PF_MIN_TILES / _WIDE_MAX_M / _WIDE_PF; docs/native.md)}.
 
     FLASHRL_NATIVE_PACKED=0 reports the kernel as unavailable (quantized layers then keep the plain layout)."""
     import os
 
-    kernel, amx, min_m, pack_rows, amx_min_m, amx_emulated = torch.ops.flashrl_native.qlinear_packed_caps()
+    (kernel, amx, min_m, pack_rows, amx_min_m, amx_emulated, pf_spread, pf_min_tiles, wide_max_m,
+     wide_pf) = torch.ops.flashrl_native.qlinear_packed_caps()
     name = _PACKED_KERNELS[int(kernel)] if os.environ.get("FLASHRL_NATIVE_PACKED", "1") != "0" else None
     return {"kernel": name, "available": name is not None, "pack_rows": int(pack_rows), "amx": bool(amx),
-            "brgemm_min_m": int(min_m), "amx_min_m": int(amx_min_m), "amx_emulated": bool(amx_emulated)}
+            "brgemm_min_m": int(min_m), "amx_min_m": int(amx_min_m), "amx_emulated": bool(amx_emulated),
+            "decode_tiles": {"pf_spread": int(pf_spread), "pf_min_tiles": int(pf_min_tiles),
+                             "wide_max_m": int(wide_max_m), "wide_pf": int(wide_pf)}}
 
 
 def packed_w8a8_fits(shape) -> bool:

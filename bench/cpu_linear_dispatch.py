@@ -77,35 +77,28 @@ def avx2_drivers(cpu_has_avx_vnni: bool) -> dict[str, dict[str, str]]:
             "avx_vnni" if cpu_has_avx_vnni else "avx_vnni_emulated": vnni}
 
 
-def _child(ms: list[int], layers: int, vocab: int, repeats: int, kernels: tuple[str, ...]) -> dict:
+def linear_runs(ms: list[int], layers: int, vocab: int, kernels) -> dict:
+    """{M: {kernel: callable}}: each runs the layers' linears (int8: packed W8A8, fp8: weight-only) or the bf16 head
+    on M random tokens, as the engines call them (bench/dispatch_ab.py times the same set)."""
     import torch
 
     from flashrl_kernels import _native
 
     _native.native_status(load=True)
-    from flashrl_kernels.native.quantize import (
-        _quantize_rows,
-        packed_w8a8_capabilities,
-        qlinear_capabilities,
-        quantize_rows_packed_,
-    )
+    from flashrl_kernels.native.quantize import _quantize_rows, quantize_rows_packed_
 
     torch.manual_seed(0)
     int8, fp8 = [], []
-    for n, k in SHAPES * layers:
+    for n, k in SHAPES * layers if {"int8", "fp8"} & set(kernels) else []:
         w = torch.empty(n, k).normal_(0, 0.05)
-        q, s, c = torch.empty(n, k, dtype=torch.int8), torch.empty(n), torch.empty(n, dtype=torch.int32)
-        quantize_rows_packed_(w, q, s, c, 0)
-        int8.append((q, s, c))
-        fp8.append(_quantize_rows(w, torch.float8_e4m3fn))
+        if "int8" in kernels:
+            q, s, c = torch.empty(n, k, dtype=torch.int8), torch.empty(n), torch.empty(n, dtype=torch.int32)
+            quantize_rows_packed_(w, q, s, c, 0)
+            int8.append((q, s, c))
+        if "fp8" in kernels:
+            fp8.append(_quantize_rows(w, torch.float8_e4m3fn))
     head = torch.empty(vocab if "head" in kernels else 1, HIDDEN).normal_(0, 0.05).bfloat16()
-    # what this process runs: the parent checks that the two drivers really differ
-    out = {"caps": {"int8": packed_w8a8_capabilities()["brgemm_min_m"],
-                    "bf16": qlinear_capabilities()["bf16_brgemm_min_m"],
-                    "amx_int8": packed_w8a8_capabilities()["amx_min_m"],
-                    "amx_bf16": qlinear_capabilities()["amx_bf16_min_m"],
-                    "amx_head": qlinear_capabilities()["amx_head_min_m"],
-                    "packed": packed_w8a8_capabilities()["kernel"]}}
+    out = {}
     for m in ms:
         xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES} | {HIDDEN}}
         runs = {
@@ -114,6 +107,23 @@ def _child(ms: list[int], layers: int, vocab: int, repeats: int, kernels: tuple[
             "fp8": lambda xs=xs: [torch.ops.flashrl_native.qlinear(xs[q.shape[1]], q, s, None, False) for q, s in fp8],
             "head": lambda xs=xs: torch.ops.flashrl_native.bf16_linear(xs[HIDDEN], head, None),
         }
+        out[m] = {k: runs[k] for k in kernels}
+    return out
+
+
+def _child(ms: list[int], layers: int, vocab: int, repeats: int, kernels: tuple[str, ...]) -> dict:
+    from flashrl_kernels.native.quantize import packed_w8a8_capabilities, qlinear_capabilities
+
+    runs_by_m = linear_runs(ms, layers, vocab, kernels)
+    # what this process runs: the parent checks that the two drivers really differ
+    out = {"caps": {"int8": packed_w8a8_capabilities()["brgemm_min_m"],
+                    "bf16": qlinear_capabilities()["bf16_brgemm_min_m"],
+                    "amx_int8": packed_w8a8_capabilities()["amx_min_m"],
+                    "amx_bf16": qlinear_capabilities()["amx_bf16_min_m"],
+                    "amx_head": qlinear_capabilities()["amx_head_min_m"],
+                    "packed": packed_w8a8_capabilities()["kernel"]}}
+    for m in ms:
+        runs = runs_by_m[m]
         res = {}
         for name, fn in ((k, runs[k]) for k in kernels):
             fn()  # warm: brgemm kernels are generated on first use

@@ -52,39 +52,11 @@ def apply(env: dict[str, str], every: set[str]) -> None:
 
 
 def kernel_runs(kernels: list[str], ms: list[int], layers: int, vocab: int):
-    """{(kernel, M): callable} for the linears as the engines run them."""
-    import torch
-
+    """{(kernel, M): callable} for the linears as the engines run them (cpu_linear_dispatch.py's set)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cpu_linear_dispatch import HIDDEN, SHAPES
+    from cpu_linear_dispatch import linear_runs
 
-    from flashrl_kernels import _native
-
-    _native.native_status(load=True)
-    from flashrl_kernels.native.quantize import _quantize_rows, quantize_rows_packed_
-
-    torch.manual_seed(0)
-    int8, fp8 = [], []
-    for n, k in SHAPES * layers if {"int8", "fp8"} & set(kernels) else []:
-        w = torch.empty(n, k).normal_(0, 0.05)
-        if "int8" in kernels:
-            q, s, c = torch.empty(n, k, dtype=torch.int8), torch.empty(n), torch.empty(n, dtype=torch.int32)
-            quantize_rows_packed_(w, q, s, c, 0)
-            int8.append((q, s, c))
-        if "fp8" in kernels:
-            fp8.append(_quantize_rows(w, torch.float8_e4m3fn))
-    head = torch.empty(vocab, HIDDEN).normal_(0, 0.05).bfloat16() if "head" in kernels else None
-    runs = {}
-    for m in ms:
-        xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES} | {HIDDEN}}
-        fns = {"int8": lambda xs=xs: [torch.ops.flashrl_native.qlinear_packed(xs[q.shape[1]], q, s, c, None)
-                                      for q, s, c in int8],
-               "fp8": lambda xs=xs: [torch.ops.flashrl_native.qlinear(xs[q.shape[1]], q, s, None, False)
-                                     for q, s in fp8],
-               "head": lambda xs=xs: torch.ops.flashrl_native.bf16_linear(xs[HIDDEN], head, None)}
-        for kernel in kernels:
-            runs[(kernel, f"M={m}")] = fns[kernel]
-    return runs
+    return {(k, f"M={m}"): fn for m, runs in linear_runs(ms, layers, vocab, kernels).items() for k, fn in runs.items()}
 
 
 def engine_runs(engines: list[str], names: list[str]):

@@ -1016,14 +1016,18 @@ const BrgemmBf16Config& brgemm_bf16_config() {
   return c;
 }
 
+// tokens from which drive_amx_rows runs on bf16 rows (head) or widened int8 / fp8 rows (0: never, or no AMX)
+inline int64_t amx_rows_min_m(bool head) {
+  const BrgemmBf16Config& c = brgemm_bf16_config();
+  if (!c.amx_bf16 && !c.amx_emulated) return 0;
+  return head ? dispatch_int("FLASHRL_NATIVE_AMX_HEAD_MIN_M", c.amx_head_min_m)
+              : dispatch_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", c.amx_min_m);
+}
+
 // (on AMX CPUs only the shapes drive_amx_rows refuses: below its threshold the tiles run)
 inline bool use_brgemm_rows(int64_t M, int64_t K, bool head) {
   const BrgemmBf16Config& c = brgemm_bf16_config();
-  if (c.amx_bf16 || c.amx_emulated) {
-    const int64_t amx_min_m = head ? dispatch_int("FLASHRL_NATIVE_AMX_HEAD_MIN_M", c.amx_head_min_m)
-                                   : dispatch_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", c.amx_min_m);
-    if (amx_min_m > 0 && K % 32 == 0) return false;
-  }
+  if (amx_rows_min_m(head) > 0 && K % 32 == 0) return false;
   const int64_t min_m = kHasBf16 || c.amx_bf16 ? dispatch_int("FLASHRL_NATIVE_BF16_BRGEMM_MIN_M", c.min_m) : 0;
   return min_m > 0 && M >= min_m && K % 2 == 0;
 }
@@ -1034,9 +1038,7 @@ template <typename Q>
 bool try_amx_rows(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx, const Q* w, int64_t ldw,
                   const float* scale, const float* bias, c10::BFloat16* y) {
   const BrgemmBf16Config& c = brgemm_bf16_config();
-  if (!c.amx_bf16 && !c.amx_emulated) return false;
-  const int64_t min_m = std::is_same_v<Q, c10::BFloat16> ? dispatch_int("FLASHRL_NATIVE_AMX_HEAD_MIN_M", c.amx_head_min_m)
-                                                         : dispatch_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", c.amx_min_m);
+  const int64_t min_m = amx_rows_min_m(std::is_same_v<Q, c10::BFloat16>);
   if (min_m == 0 || M < min_m || K % 32 != 0) return false;
   if (c.amx_emulated)
     drive_amx_rows<EmulatedAmxOps, Q>(M, N, K, x, ldx, w, ldw, scale, bias, y);

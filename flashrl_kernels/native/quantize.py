@@ -144,10 +144,10 @@ def packed_w8a8_capabilities() -> dict:
     AVX-512 without VNNI and portable builds), 'available': kernel is not None,
     'pack_rows': rows per block of its layout (a packed weight's N must be a multiple; K of 4),
     'amx': AMX-INT8 tiles granted to this process, 'brgemm_min_m': tokens from which a call runs oneDNN's brgemm
-    (0: never), 'amx_min_m': tokens from which a call (K % 64 == 0) runs the AMX-INT8 tiles driven by the library
+    where the amx driver is off or refuses the shape (0: never), 'amx_min_m': tokens from which a call (K % 64 == 0) runs the AMX-INT8 tiles driven by the library
     itself (0: never; FLASHRL_NATIVE_AMX_MIN_M), 'amx_emulated': those tiles emulated in scalar code, for tests
-    on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx), 'decode_tiles': the VNNI tiles' shapes at few tokens, by CPU
-    class ({'pf_spread': blocks ahead the 4-token tiles of a block prefetch, 'pf_min_tiles': from how many such
+    on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx), 'decode_tiles': the VNNI tiles' shapes at few tokens
+    ({'pf_spread': blocks ahead the 4-token tiles of a block prefetch, 'pf_min_tiles': from how many such
     tiles, 'wide_max_m': tokens up to which (from 5) one wide tile reads each block once, 'wide_pf': blocks ahead
     it prefetches}; FLASHRL_NATIVE_PACKED_PF_SPREAD / _PF_MIN_TILES / _WIDE_MAX_M / _WIDE_PF; docs/native.md)}.
 

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -484,3 +485,55 @@ def test_layout_fits_only_whole_blocks():
     assert nq.packed_w8a8_fits((896, 896)) and nq.packed_w8a8_fits((151936, 896))
     assert not nq.packed_w8a8_fits((100, 896)) and not nq.packed_w8a8_fits((128, 30))
     assert not nq.packed_w8a8_fits((64, 65540))
+
+
+_THP_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from flashrl_kernels import _native
+    _native.native_status(load=True)
+    from flashrl_kernels.native.quantize import quantize_rows_packed_
+    g = torch.Generator().manual_seed(3)
+    q = torch.empty(4096, 256, dtype=torch.int8); s = torch.empty(4096); c = torch.empty(4096, dtype=torch.int32)
+    quantize_rows_packed_(torch.randn(4096, 256, generator=g), q, s, c, 0)
+    x = torch.randn(2048, 256, generator=g).bfloat16()
+    ys = [torch.ops.flashrl_native.qlinear_packed(x, q, s, c, None) for _ in range(2)]  # 16 MB each
+    # any fp8 rows (the packed bytes read as e4m3): only the output's pages matter here
+    yf = torch.ops.flashrl_native.qlinear(x, q.view(torch.float8_e4m3fn), s, None, False)
+    def huge_kb(t):  # AnonHugePages of the mappings over t's data (the advice splits a mapping in three)
+        p0, p1 = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        total, inside = 0, False
+        for line in open("/proc/self/smaps"):
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo < p1 and p0 < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1])
+        return total
+    json.dump({"packed": [huge_kb(y) for y in ys], "fp8": huge_kb(yf), "same": torch.equal(ys[0], ys[1])},
+              open(sys.argv[1], "w"))
+""")
+
+
+@pytest.mark.parametrize("thp", ["1", "0"])
+def test_large_linear_outputs_ask_for_huge_pages(tmp_path, thp):
+    """A prefill-sized output (16 MB here) is madvise(MADV_HUGEPAGE)'d before the kernel writes it
+    (csrc/cpu/linear_output.h): on a system whose THP mode is "madvise" its mapping then holds huge pages, and with
+    FLASHRL_NATIVE_THP=0 none; its values are the same either way. Fresh processes, as the engines start."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        pytest.skip("no /sys/kernel/mm/transparent_hugepage: not Linux, or THP not built in")
+    if "[madvise]" not in mode:
+        pytest.skip(f"THP mode {mode.strip()!r}: the advice is only observable where THP is madvise-only")
+    out = tmp_path / "thp.json"
+    subprocess.run([sys.executable, "-c", _THP_SCRIPT, str(out)], check=True, timeout=600,
+                   env={**os.environ, "FLASHRL_NATIVE_THP": thp})
+    got = json.loads(out.read_text())
+    assert got["same"]
+    if thp == "1":
+        # (a huge page can be refused when memory is fragmented; most of 16 MB is not)
+        assert all(kb >= 8192 for kb in got["packed"]), got
+        assert got["fp8"] >= 8192, got
+    else:
+        assert got["packed"] == [0, 0] and got["fp8"] == 0, got

@@ -49,6 +49,7 @@
 #endif
 
 #include "amx_tiles.h"
+#include "linear_output.h"
 #include "cpu_features.h"
 #include "token_quant.h"
 #include "vec_utils.h"
@@ -780,30 +781,6 @@ constexpr int64_t kBrgChunkBytes = int64_t{512} << 10;  // packed tokens per pas
 // tokens per packed block: 16, 32, 48 or 64 (whole AMX tile columns), so decode sizes pack no 64-wide blocks
 inline int64_t brgemm_token_block(int64_t M) { return std::min(kBrgMaxTokens, (M + 15) / 16 * 16); }
 
-// x [M, K] bf16 rows (K even) -> [ceil(M / tb)][K / 2][tb] pairs of k (VNNI-2). The columns past M are left
-// unwritten: brgemm is called with N = the valid tokens, and a column of C depends on its own column of B only.
-std::unique_ptr<uint32_t[]> pack_tokens_vnni2(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K,
-                                              int64_t tb) {
-  const int64_t kp = K / 2, nblk = (M + tb - 1) / tb;
-  std::unique_ptr<uint32_t[]> out(new uint32_t[static_cast<size_t>(nblk * kp * tb)]);
-  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t tn = std::min(tb, M - b * tb);
-      uint32_t* blk = out.get() + b * kp * tb;
-      // 16 pairs of every token at a time: their destination lines stay in L1 while they fill
-      for (int64_t p0 = 0; p0 < kp; p0 += 16) {
-        const int64_t pn = std::min<int64_t>(16, kp - p0);
-        for (int64_t t = 0; t < tn; ++t) {
-          const c10::BFloat16* src = x + (b * tb + t) * ldx + 2 * p0;
-          uint32_t* dst = blk + p0 * tb + t;
-          for (int64_t p = 0; p < pn; ++p) std::memcpy(dst + p * tb, src + 2 * p, 4);
-        }
-      }
-    }
-  });
-  return out;
-}
-
 // 16 x 16 fp32 transpose in registers: v[r] lane c -> v[c] lane r
 inline void transpose16(__m512* v) {
   __m512 t[16], u[16];
@@ -829,6 +806,60 @@ inline void transpose16(__m512* v) {
     v[8 + j] = _mm512_shuffle_f32x4(s2, s3, _MM_SHUFFLE(2, 0, 2, 0));
     v[12 + j] = _mm512_shuffle_f32x4(s2, s3, _MM_SHUFFLE(3, 1, 3, 1));
   }
+}
+
+// n bf16 in the running thread's buffer for widened rows (64-byte aligned), reused from call to call: a block of
+// 64 rows is 622 KB at K = 4864, which glibc served with a fresh mmap, faulted in again, per token chunk
+inline c10::BFloat16* rows_scratch(int64_t n) {
+  static thread_local std::unique_ptr<c10::BFloat16[]> buf;
+  static thread_local int64_t cap = 0;
+  if (n + 32 > cap) {
+    buf.reset();
+    cap = n + 32;
+    buf.reset(new c10::BFloat16[cap]);
+  }
+  return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<std::uintptr_t>(buf.get()) + 63) / 64 * 64);
+}
+
+// x [M, K] bf16 rows (K even) -> [ceil(M / tb)][K / 2][tb] pairs of k (VNNI-2), in the calling thread's buffer,
+// reused from call to call (grown, never shrunk): a fresh one per call faulted its pages in again at prefill
+// sizes (M x K x 2 bytes: 40 MB at 4096 x 4864). 16 tokens x 16 pairs at a time through a register transpose;
+// columns past M are zero where a 16-token group has tokens, else unwritten (brgemm is called with N = the valid
+// tokens, and a column of C depends on its own column of B only; drive_amx_rows zeroes them).
+inline uint32_t* pack_tokens_vnni2(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t tb) {
+  const int64_t kp = K / 2, nblk = (M + tb - 1) / tb;
+  static thread_local std::unique_ptr<uint32_t[]> buf;
+  static thread_local size_t cap = 0;
+  const size_t need = static_cast<size_t>(nblk * kp * tb);
+  if (need > cap) {
+    buf.reset();
+    buf.reset(new uint32_t[need]);
+    cap = need;
+  }
+  uint32_t* out = buf.get();
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t tn = std::min(tb, M - b * tb);
+      uint32_t* blk = out + b * kp * tb;
+      for (int64_t t0 = 0; t0 < tn; t0 += 16) {
+        const int64_t tr = std::min<int64_t>(16, tn - t0);
+        int64_t p0 = 0;
+        for (; p0 + 16 <= kp; p0 += 16) {
+          __m512 v[16];
+          for (int i = 0; i < 16; ++i)
+            v[i] = i < tr ? _mm512_loadu_ps(reinterpret_cast<const float*>(x + (b * tb + t0 + i) * ldx + 2 * p0))
+                           : _mm512_setzero_ps();
+          transpose16(v);  // v[j]: pair p0 + j of the 16 tokens
+          for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(blk + (p0 + j) * tb + t0), v[j]);
+        }
+        for (int64_t t = 0; t < tr; ++t) {  // K's last pairs (K % 32 != 0)
+          const c10::BFloat16* src = x + (b * tb + t0 + t) * ldx;
+          for (int64_t p = p0; p < kp; ++p) std::memcpy(blk + p * tb + t0 + t, src + 2 * p, 4);
+        }
+      }
+    }
+  });
+  return out;
 }
 
 // y[m0 + t, n0 + r] = c[r, t] * scale[n0 + r] + bias[n0 + r] for r < nn, t < mm (c: [64 rows][ldc] fp32, ldc a
@@ -866,8 +897,8 @@ FLASHRL_BF16_TARGET void drive_brgemm_rows(int64_t M, int64_t N, int64_t K, cons
                                            c10::BFloat16* y) {
   constexpr bool kInPlace = std::is_same_v<Q, c10::BFloat16>;
   const int64_t tb = brgemm_token_block(M);
-  const std::unique_ptr<uint32_t[]> packed = pack_tokens_vnni2(x, ldx, M, K, tb);
-  const auto* b_base = reinterpret_cast<const at::BFloat16*>(packed.get());
+  const uint32_t* packed = pack_tokens_vnni2(x, ldx, M, K, tb);
+  const auto* b_base = reinterpret_cast<const at::BFloat16*>(packed);
   const int64_t kp = K / 2, tblocks = (M + tb - 1) / tb, rblocks = (N + kBrgRows - 1) / kBrgRows;
   const int64_t chunk = std::max<int64_t>(1, kBrgChunkBytes / (K * 2 * tb));  // token blocks per pass
   const int64_t lds = (K + 31) / 32 * 32;  // scratch rows start on cache lines
@@ -875,10 +906,8 @@ FLASHRL_BF16_TARGET void drive_brgemm_rows(int64_t M, int64_t N, int64_t K, cons
     const int64_t tc1 = std::min(tblocks, tc + chunk);
     // a thread owns a contiguous run of row blocks: one linear stream of weight bytes
     at::parallel_for(0, rblocks, 1, [&](int64_t b0, int64_t b1) {
-      // not value-initialized: every row is widened before brgemm reads it (no memset per call at decode sizes)
-      const std::unique_ptr<c10::BFloat16[]> scratch(new c10::BFloat16[kInPlace ? 0 : kBrgRows * lds + 32]);
-      c10::BFloat16* rows = reinterpret_cast<c10::BFloat16*>(
-          (reinterpret_cast<std::uintptr_t>(scratch.get()) + 63) / 64 * 64);
+      // not initialized: every row is widened before brgemm reads it
+      c10::BFloat16* rows = kInPlace ? nullptr : rows_scratch(kBrgRows * lds);
       alignas(64) float c[kBrgRows * kBrgMaxTokens] = {};  // the epilogue loads whole 16-token rows
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * kBrgRows, nn = std::min(kBrgRows, N - n0);
@@ -915,10 +944,10 @@ FLASHRL_BF16_TARGET void drive_amx_rows(int64_t M, int64_t N, int64_t K, const c
                                         c10::BFloat16* y) {
   constexpr bool kInPlace = std::is_same_v<Q, c10::BFloat16>;
   constexpr int64_t tb = 16;
-  const std::unique_ptr<uint32_t[]> packed = pack_tokens_vnni2(x, ldx, M, K, tb);
+  uint32_t* packed = pack_tokens_vnni2(x, ldx, M, K, tb);
   const int64_t kp = K / 2, tblocks = (M + tb - 1) / tb, rblocks = (N + kBrgRows - 1) / kBrgRows;
   if (M % tb) {  // the last block's columns past M: read by the tiles (their sums are never stored), so defined
-    uint32_t* last = packed.get() + (tblocks - 1) * kp * tb;
+    uint32_t* last = packed + (tblocks - 1) * kp * tb;
     for (int64_t p = 0; p < kp; ++p) std::fill(last + p * tb + M % tb, last + (p + 1) * tb, 0u);
   }
   const int64_t chunk = std::max<int64_t>(1, kBrgChunkBytes / (K * 2 * tb));  // token blocks per pass (L2)
@@ -931,9 +960,7 @@ FLASHRL_BF16_TARGET void drive_amx_rows(int64_t M, int64_t N, int64_t K, const c
       Ops::config(&cfg);
       // a full block of stored bf16 rows is read in place; widened rows (and a partial block's) go here
       const bool scratch_needed = !kInPlace || (N % kBrgRows != 0 && b1 == rblocks);
-      const std::unique_ptr<c10::BFloat16[]> scratch(new c10::BFloat16[scratch_needed ? kBrgRows * lds + 32 : 0]);
-      c10::BFloat16* rows = reinterpret_cast<c10::BFloat16*>(
-          (reinterpret_cast<std::uintptr_t>(scratch.get()) + 63) / 64 * 64);
+      c10::BFloat16* rows = scratch_needed ? rows_scratch(kBrgRows * lds) : nullptr;
       alignas(64) float c[kBrgRows * tb];
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * kBrgRows, nn = std::min(kBrgRows, N - n0);
@@ -959,7 +986,7 @@ FLASHRL_BF16_TARGET void drive_amx_rows(int64_t M, int64_t N, int64_t K, const c
           Ops::template zero<5>();
           Ops::template zero<6>();
           Ops::template zero<7>();
-          const uint32_t* bt = packed.get() + t * kp * tb;
+          const uint32_t* bt = packed + t * kp * tb;
           const int64_t stride = lda * int64_t{sizeof(c10::BFloat16)};
           for (int64_t k = 0; k < K; k += 32) {
             Ops::template load<1>(bt + k / 2 * tb, tb * 4);
@@ -1167,7 +1194,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   // int32 sums of (u8 + 128) * s8 (VNNI) stay exact up to K = 2^31 / (255 * 128)
   TORCH_CHECK(!act_quant || x.size(1) <= 65536, op, ": act_quant supports K <= 65536");
   const int64_t M = x.size(0), N = q.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = empty_linear_output(M, N, x.options());
   if (M == 0 || N == 0) return y;
   const std::vector<float> bias_f = bias_as_f32(bias, N, op);
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
@@ -1196,7 +1223,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   TORCH_CHECK((x.stride(1) == 1 || x.size(1) <= 1) && (w.stride(1) == 1 || w.size(1) <= 1), op,
               ": rows of x and w must have unit stride");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = empty_linear_output(M, N, x.options());
   if (M == 0 || N == 0) return y;
   const std::vector<float> bias_f = bias_as_f32(bias, N, op);
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();

@@ -41,6 +41,7 @@
 #endif
 
 #include "amx_tiles.h"
+#include "linear_output.h"
 #include "cpu_features.h"
 #include "packed_layout.h"
 #include "token_quant.h"
@@ -50,6 +51,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -308,6 +310,20 @@ void drive_tiles(int64_t M, int64_t N, int64_t K, const uint8_t* a, const int8_t
       packed_blocks<Out>(a, K, w, b0, b1, mc, mend, e, y);
     });
   }
+}
+
+// The calling thread's buffer for the tokens' codes, reused from call to call (grown, never shrunk; not zeroed):
+// a fresh std::vector per call zeroed it and, at prefill sizes (M x K up to 4096 x 4864), faulted its pages in
+// again at every call.
+inline int8_t* token_scratch(size_t bytes) {
+  static thread_local std::unique_ptr<int8_t[]> buf;
+  static thread_local size_t cap = 0;
+  if (bytes + 64 > cap) {
+    buf.reset();
+    cap = bytes + 64;
+    buf.reset(new int8_t[cap]);
+  }
+  return reinterpret_cast<int8_t*>((reinterpret_cast<std::uintptr_t>(buf.get()) + 63) / 64 * 64);
 }
 
 // rows [m0, m0 + mm) x the 64 rows of block nb from brgemm's int32 sums c [mm, 64]
@@ -623,7 +639,7 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
   TORCH_CHECK(comp.dim() == 1 && comp.size(0) == N && comp.scalar_type() == at::kInt && comp.is_contiguous(), op,
               ": comp must be contiguous int32 [N]");
   TORCH_CHECK(K <= kMaxK, op, ": K <= 65536 only");
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = empty_linear_output(M, N, x.options());
   if (M == 0 || N == 0) return y;
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
@@ -636,16 +652,16 @@ at::Tensor qlinear_packed(const at::Tensor& x, const at::Tensor& q, const at::Te
   const bool amx_here = config().amx || config().amx_emulated;
   const int64_t amx_min_m = amx_here ? dispatch_int("FLASHRL_NATIVE_AMX_MIN_M", config().amx_min_m) : 0;
   const bool amx = amx_min_m > 0 && M >= amx_min_m && K % 64 == 0;
-  // the amx driver reads whole 16-token blocks of codes
-  std::vector<int8_t> xq(static_cast<size_t>((amx ? (M + 15) / 16 * 16 : M) * K));
+  // the amx driver reads whole 16-token blocks of codes (rows past M: whatever the buffer held)
+  int8_t* xq_p = token_scratch(static_cast<size_t>((amx ? (M + 15) / 16 * 16 : M) * K));
   std::vector<float> xs(static_cast<size_t>(M));
   const Epilogue e{xs.data(), scale.const_data_ptr<float>(), comp.const_data_ptr<int32_t>(),
                    bias_f.empty() ? nullptr : bias_f.data(), N};
-  const uint8_t* a = reinterpret_cast<const uint8_t*>(xq.data());
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(xq_p);
   const int8_t* w = q.const_data_ptr<int8_t>();
   auto run = [&](auto out_tag) {
     using Out = decltype(out_tag);
-    quantize_tokens_s8<true>(x.const_data_ptr<Out>(), x.stride(0), M, K, K, xq.data(), xs.data(), nullptr);
+    quantize_tokens_s8<true>(x.const_data_ptr<Out>(), x.stride(0), M, K, K, xq_p, xs.data(), nullptr);
     Out* yp = y.data_ptr<Out>();
     if (amx) {
       if (config().amx_emulated)

@@ -108,7 +108,9 @@ def _bf16_activation_line() -> str:
     if caps["amx_bf16_min_m"]:
         how = " emulated (FLASHRL_NATIVE_EMULATE=amx: a test mode, slow)" if caps["amx_emulated"] else ""
         kernel += (f"; AMX-BF16 tiles driven by flashrl{how} from {caps['amx_bf16_min_m']} tokens"
-                   f" (the bf16 head from {caps['amx_head_min_m']})" + (f"; {brgemm} where K % 32 != 0" if brgemm else ""))
+                   f" (the bf16 head from {caps['amx_head_min_m']}"
+                   + (f"; fp8 / int8 rows re-laid as B from {caps['amx_wb_min_m']}" if caps["amx_wb_min_m"] else "")
+                   + ")" + (f"; {brgemm} where K % 32 != 0" if brgemm else ""))
     elif brgemm:
         kernel += f"; {brgemm}"
     return f"FP8 / bf16-head linear: {kernel}"

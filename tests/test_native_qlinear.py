@@ -261,21 +261,28 @@ _TILES_ENV = {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_
 
 def test_amx_rows_driver_vs_float64(tmp_path):
     """The AMX-BF16 tiles driven by the library on the weight rows (qlinear.cpp's drive_amx_rows: int8 / fp8 rows
-    widened per 64-row block, bf16 rows in place; the tokens VNNI-2 packed as B): forced for every M in a fresh
-    process, on real tiles where this CPU has AMX-BF16 (and Linux grants it), else emulated in scalar code (FLASHRL_NATIVE_EMULATE=amx,
-    which traps on a tile shape the real instruction would refuse); each output against float64 and the tiles.
-    K % 32 != 0 falls back to the other drivers."""
+    widened per 64-row block, bf16 rows in place; the tokens VNNI-2 packed as B; and drive_amx_wb: the widened rows
+    re-laid VNNI-2 as B, the token rows as A): forced for every M in fresh processes, on real tiles where this CPU
+    has AMX-BF16 (and Linux grants it), else emulated in scalar code (FLASHRL_NATIVE_EMULATE=amx, which traps on a
+    tile shape the real instruction would refuse); each output against float64 and the tiles, and the two drivers'
+    outputs bit for bit (the same fp32 sums in the same k order). K % 32 != 0 falls back to the other drivers."""
     if not _caps()["bf16_dot"]:
         pytest.skip("no AVX-512 BF16 on this CPU: the bf16 rows drivers are not used here")
     real = _caps()["amx_bf16"]  # AMX-BF16 here and Linux granted the tile state
+    amx_env = {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "1",
+               "FLASHRL_NATIVE_AMX_HEAD_MIN_M": "1", "FLASHRL_NATIVE_EMULATE": "" if real else "amx"}
     runs = _rows_driver_runs(tmp_path, {
-        "amx": {"FLASHRL_NATIVE_BF16_BRGEMM_MIN_M": "0", "FLASHRL_NATIVE_AMX_BF16_MIN_M": "1",
-                "FLASHRL_NATIVE_AMX_HEAD_MIN_M": "1", "FLASHRL_NATIVE_EMULATE": "" if real else "amx"},
+        "amx": {**amx_env, "FLASHRL_NATIVE_AMX_WB_MIN_M": "0"},
+        "amx_wb": {**amx_env, "FLASHRL_NATIVE_AMX_WB_MIN_M": "1"},
         "tiles": _TILES_ENV})
-    caps = runs["amx"][0]
-    assert caps["amx_bf16_min_m"] == caps["amx_head_min_m"] == 1 and caps["amx_emulated"] == (not real), caps
+    for name, wb in (("amx", 0), ("amx_wb", 1)):
+        caps = runs[name][0]
+        assert caps["amx_bf16_min_m"] == caps["amx_head_min_m"] == 1 and caps["amx_emulated"] == (not real), caps
+        assert caps["amx_wb_min_m"] == wb, caps
+        _check_rows_drivers(runs[name][1], runs["tiles"][1])
     assert runs["tiles"][0]["amx_bf16_min_m"] == runs["tiles"][0]["amx_head_min_m"] == 0
-    _check_rows_drivers(runs["amx"][1], runs["tiles"][1])
+    for (kind, x, *_, y), (*_, y_wb) in zip(runs["amx"][1], runs["amx_wb"][1]):
+        assert torch.equal(y, y_wb), (kind, x.shape)
 
 
 def test_brgemm_rows_driver_vs_float64(tmp_path):

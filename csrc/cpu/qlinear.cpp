@@ -95,6 +95,9 @@ constexpr int64_t kBrgemmBf16MinMAmx = 1;
 // row streams gained nothing), 0.77-0.89x at 6-8, 0.42-0.50x at 16
 constexpr int64_t kAmxBf16MinM = 1;
 constexpr int64_t kAmxBf16HeadMinM = 5;
+// tokens from which widened int8 / fp8 rows run drive_amx_wb (the rows re-laid as tdpbf16ps's B) instead of
+// drive_amx_rows: 0.70-0.85x its time at 512-2048 tokens, equal at 64, 1.44x at 8 (the re-laying is per block)
+constexpr int64_t kAmxWbMinM = 128;
 constexpr int64_t kBrgemmBf16MinMNoAmx = 128;
 
 
@@ -1011,6 +1014,92 @@ FLASHRL_BF16_TARGET void drive_amx_rows(int64_t M, int64_t N, int64_t K, const c
     });
   }
 }
+
+// ---- widened int8 / fp8 rows as tdpbf16ps's B operand, the tokens' bf16 rows as A (read where they are)
+// Per 64-row block the rows are widened (as above) and then re-laid VNNI-2 through a 16 x 16 register transpose:
+// [K / 32][4 row groups][16 k-pairs][16 rows x 2 bf16], so a step of 32 k is one A load (16 token rows, ldx apart)
+// and four B loads of contiguous 1 KiB, the shape of the INT8 amx driver (qlinear_packed.cpp), whose strided A
+// loads measured costlier than its contiguous B loads; drive_amx_rows loads four strided weight tiles a step.
+// Tiles: 0 = A, 2 and 3 = B (alternating), 4-7 = the fp32 sums of 16 tokens x 16 rows each. K % 32 == 0.
+// The same fp32 sums in the same k order as drive_amx_rows, so the same outputs bit for bit.
+constexpr int64_t kAmxWbChunkBytes = int64_t{8} << 20;
+template <typename Ops, typename Q>
+FLASHRL_BF16_TARGET void drive_amx_wb(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx,
+                                      const Q* w, int64_t ldw, const float* scale, const float* bias,
+                                      c10::BFloat16* y) {
+  constexpr int64_t tb = 16;
+  const int64_t tblocks = (M + tb - 1) / tb, rblocks = (N + kBrgRows - 1) / kBrgRows;
+  // the last partial token block from a zero-padded copy (tile rows past M must be readable)
+  std::vector<c10::BFloat16> tail(static_cast<size_t>(M % tb ? tb * K : 0), c10::BFloat16(0.f));
+  for (int64_t t = 0; t < M % tb; ++t)
+    std::memcpy(tail.data() + t * K, x + (M - M % tb + t) * ldx, K * sizeof(c10::BFloat16));
+  // token blocks per pass: a block's rows are widened and re-laid once per pass, so passes are long (measured:
+  // 8 MB of tokens 0.73-0.83x the time of drive_amx_rows at 512-2048 tokens, 512 KB 0.84-1.07x)
+  const int64_t chunk = std::max<int64_t>(1, kAmxWbChunkBytes / (K * 2 * tb));
+  for (int64_t tc = 0; tc < tblocks; tc += chunk) {
+    const int64_t tc1 = std::min(tblocks, tc + chunk);
+    at::parallel_for(0, rblocks, 1, [&](int64_t b0, int64_t b1) {
+      TileConfig cfg;
+      for (int t : {0, 2, 3, 4, 5, 6, 7}) cfg.set(t, 16, 64);
+      Ops::config(&cfg);
+      // one buffer: the block's rows widened [64][K], then their VNNI-2 copy [K / 32][4][16][32]
+      c10::BFloat16* rows = rows_scratch(2 * kBrgRows * K);
+      c10::BFloat16* vnni = rows + kBrgRows * K;
+      alignas(64) float c[tb * kBrgRows];
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kBrgRows, nn = std::min(kBrgRows, N - n0);
+        const int64_t pf = b + 1 < b1 ? kBrgRows * ldw * int64_t{sizeof(Q)} : 0;  // the next block's rows
+        for (int64_t j = 0; j < nn; ++j) widen_row_bf16(w + (n0 + j) * ldw, K, rows + j * K, pf);
+        if (nn < kBrgRows) std::fill(rows + nn * K, rows + kBrgRows * K, c10::BFloat16(0.f));
+        for (int64_t s = 0; s < K / 32; ++s)
+          for (int g = 0; g < 4; ++g) {
+            __m512 v[16];  // row g * 16 + i: its 16 k-pairs of step s
+            for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows + (16 * g + i) * K + 32 * s));
+            transpose16(v);  // v[p]: k-pair p of the 16 rows
+            float* dst = reinterpret_cast<float*>(vnni + (4 * s + g) * 512);
+            for (int p = 0; p < 16; ++p) _mm512_storeu_ps(dst + 16 * p, v[p]);
+          }
+        for (int64_t t = tc; t < tc1; ++t) {
+          const int64_t m0 = t * tb, mm = std::min(tb, M - m0);
+          const c10::BFloat16* a = mm == tb ? x + m0 * ldx : tail.data();
+          const int64_t astride = (mm == tb ? ldx : K) * int64_t{sizeof(c10::BFloat16)};
+          Ops::template zero<4>();
+          Ops::template zero<5>();
+          Ops::template zero<6>();
+          Ops::template zero<7>();
+          for (int64_t s = 0; s < K / 32; ++s) {
+            const c10::BFloat16* bs = vnni + 4 * s * 512;
+            Ops::template load<0>(a + 32 * s, astride);
+            Ops::template load<2>(bs, 64);
+            Ops::template load<3>(bs + 512, 64);
+            Ops::template dpbf16ps<4, 0, 2>();
+            Ops::template load<2>(bs + 1024, 64);
+            Ops::template dpbf16ps<5, 0, 3>();
+            Ops::template load<3>(bs + 1536, 64);
+            Ops::template dpbf16ps<6, 0, 2>();
+            Ops::template dpbf16ps<7, 0, 3>();
+          }
+          Ops::template store<4>(c, kBrgRows * 4);
+          Ops::template store<5>(c + 16, kBrgRows * 4);
+          Ops::template store<6>(c + 32, kBrgRows * 4);
+          Ops::template store<7>(c + 48, kBrgRows * 4);
+          // y = sum * scale + bias: store_transposed's roundings (the product, then one addition)
+          for (int64_t r0 = 0; r0 < nn; r0 += 16) {
+            const __mmask16 rmask = static_cast<__mmask16>(nn - r0 >= 16 ? 0xffff : (1u << (nn - r0)) - 1);
+            const __m512 sc = _mm512_maskz_loadu_ps(rmask, scale + n0 + r0);
+            const __m512 bi = bias ? _mm512_maskz_loadu_ps(rmask, bias + n0 + r0) : _mm512_setzero_ps();
+            for (int64_t m = 0; m < mm; ++m) {
+              __m512 v = _mm512_mul_ps(_mm512_loadu_ps(c + m * kBrgRows + r0), sc);
+              if (bias) v = _mm512_add_ps(v, bi);
+              _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0 + r0, rmask, at::vec::cvtfp32_bf16(v));
+            }
+          }
+        }
+      }
+      Ops::release();
+    });
+  }
+}
 #endif
 
 // tokens from which a bf16-activation call runs drive_brgemm_rows (0: never); see docs/native.md
@@ -1020,6 +1109,7 @@ struct BrgemmBf16Config {
   bool amx_emulated = false;  // drive_amx_rows on emulated tiles (FLASHRL_NATIVE_EMULATE=amx; a test mode)
   int64_t amx_min_m = 0;  // tokens from which a bf16-activation call runs drive_amx_rows (0: never)
   int64_t amx_head_min_m = 0;  // the same for bf16 weights (the LM head: rows read in place)
+  int64_t amx_wb_min_m = 0;  // tokens from which widened rows run drive_amx_wb instead (0: never)
 };
 const BrgemmBf16Config& brgemm_bf16_config() {
   static const BrgemmBf16Config c = [] {
@@ -1036,6 +1126,7 @@ const BrgemmBf16Config& brgemm_bf16_config() {
     if (r.amx_bf16 || r.amx_emulated) {
       r.amx_min_m = env_int("FLASHRL_NATIVE_AMX_BF16_MIN_M", r.amx_emulated ? 1 : kAmxBf16MinM);
       r.amx_head_min_m = env_int("FLASHRL_NATIVE_AMX_HEAD_MIN_M", r.amx_emulated ? 1 : kAmxBf16HeadMinM);
+      r.amx_wb_min_m = env_int("FLASHRL_NATIVE_AMX_WB_MIN_M", r.amx_emulated ? 0 : kAmxWbMinM);
     }
 #endif
     return r;
@@ -1067,6 +1158,16 @@ bool try_amx_rows(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64
   const BrgemmBf16Config& c = brgemm_bf16_config();
   const int64_t min_m = amx_rows_min_m(std::is_same_v<Q, c10::BFloat16>);
   if (min_m == 0 || M < min_m || K % 32 != 0) return false;
+  if constexpr (!std::is_same_v<Q, c10::BFloat16>) {
+    const int64_t wb_min_m = dispatch_int("FLASHRL_NATIVE_AMX_WB_MIN_M", c.amx_wb_min_m);
+    if (wb_min_m > 0 && M >= wb_min_m) {
+      if (c.amx_emulated)
+        drive_amx_wb<EmulatedAmxOps, Q>(M, N, K, x, ldx, w, ldw, scale, bias, y);
+      else
+        drive_amx_wb<AmxOps, Q>(M, N, K, x, ldx, w, ldw, scale, bias, y);
+      return true;
+    }
+  }
   if (c.amx_emulated)
     drive_amx_rows<EmulatedAmxOps, Q>(M, N, K, x, ldx, w, ldw, scale, bias, y);
   else
@@ -1278,9 +1379,9 @@ std::vector<int64_t> qlinear_caps() {
 #if defined(CPU_CAPABILITY_AVX512)
   const BrgemmBf16Config& b = brgemm_bf16_config();
   return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, int64_t{b.amx_bf16}, b.min_m, int64_t{kHasFp8Bytes},
-          b.amx_min_m, int64_t{b.amx_emulated}, b.amx_head_min_m};
+          b.amx_min_m, int64_t{b.amx_emulated}, b.amx_head_min_m, b.amx_wb_min_m};
 #else
-  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0, 0, 0, 0, 0};
+  return {int64_t{kHasW8A8}, int64_t{kHasBf16}, vec, 0, 0, 0, 0, 0, 0, 0};
 #endif
 }
 

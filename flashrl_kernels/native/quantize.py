@@ -66,12 +66,15 @@ def qlinear_capabilities() -> dict:
     by word permutes), 'amx_bf16_min_m': tokens from which those calls (K % 32 == 0) run AMX-BF16 tiles driven by
     the library itself (0: never; FLASHRL_NATIVE_AMX_BF16_MIN_M; on AMX CPUs brgemm then runs only the shapes they
     refuse), 'amx_head_min_m': the same for bf16 weights, the LM head (FLASHRL_NATIVE_AMX_HEAD_MIN_M),
+    'amx_wb_min_m': tokens from which int8 / fp8 rows take those tiles with the widened rows re-laid as the B
+    operand instead (prefill; FLASHRL_NATIVE_AMX_WB_MIN_M, 0: never),
     'amx_emulated': those tiles emulated in scalar code, for tests on CPUs without AMX (FLASHRL_NATIVE_EMULATE=amx)."""
     (w8a8, bf16, vec, amx_bf16, min_m, fp8_bytes, amx_min_m, amx_emulated,
-     amx_head_min_m) = torch.ops.flashrl_native.qlinear_caps()
+     amx_head_min_m, amx_wb_min_m) = torch.ops.flashrl_native.qlinear_caps()
     return {"w8a8": bool(w8a8), "bf16_dot": bool(bf16), "vector": bool(vec), "amx_bf16": bool(amx_bf16),
             "bf16_brgemm_min_m": int(min_m), "fp8_byte_tables": bool(fp8_bytes), "amx_bf16_min_m": int(amx_min_m),
-            "amx_emulated": bool(amx_emulated), "amx_head_min_m": int(amx_head_min_m)}
+            "amx_emulated": bool(amx_emulated), "amx_head_min_m": int(amx_head_min_m),
+            "amx_wb_min_m": int(amx_wb_min_m)}
 
 
 def w8a8_native(q: torch.Tensor) -> bool:

@@ -1021,7 +1021,8 @@ FLASHRL_BF16_TARGET void drive_amx_rows(int64_t M, int64_t N, int64_t K, const c
 // and four B loads of contiguous 1 KiB, the shape of the INT8 amx driver (qlinear_packed.cpp), whose strided A
 // loads measured costlier than its contiguous B loads; drive_amx_rows loads four strided weight tiles a step.
 // Tiles: 0 = A, 2 and 3 = B (alternating), 4-7 = the fp32 sums of 16 tokens x 16 rows each. K % 32 == 0.
-// The same fp32 sums in the same k order as drive_amx_rows, so the same outputs bit for bit.
+// The same fp32 sums in the same k order as drive_amx_rows: without a bias the same outputs bit for bit (with one,
+// GCC may fuse the epilogue's product and addition in one driver and not the other: one bf16 rounding apart).
 constexpr int64_t kAmxWbChunkBytes = int64_t{8} << 20;
 template <typename Ops, typename Q>
 FLASHRL_BF16_TARGET void drive_amx_wb(int64_t M, int64_t N, int64_t K, const c10::BFloat16* x, int64_t ldx,

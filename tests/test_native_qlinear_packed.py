@@ -519,7 +519,7 @@ _THP_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("thp", ["1", "0"])
 def test_large_linear_outputs_ask_for_huge_pages(tmp_path, thp):
     """A prefill-sized output (16 MB here) is madvise(MADV_HUGEPAGE)'d before the kernel writes it
-    (csrc/cpu/linear_output.h): on a system whose THP mode is "madvise" its mapping then holds huge pages, and with
+    (csrc/cpu/linear_memory.h): on a system whose THP mode is "madvise" its mapping then holds huge pages, and with
     FLASHRL_NATIVE_THP=0 none; its values are the same either way. Fresh processes, as the engines start."""
     try:
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()

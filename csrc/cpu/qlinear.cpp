@@ -49,7 +49,7 @@
 #endif
 
 #include "amx_tiles.h"
-#include "linear_output.h"
+#include "linear_memory.h"
 #include "cpu_features.h"
 #include "token_quant.h"
 #include "vec_utils.h"
@@ -811,18 +811,9 @@ inline void transpose16(__m512* v) {
   }
 }
 
-// n bf16 in the running thread's buffer for widened rows (64-byte aligned), reused from call to call: a block of
-// 64 rows is 622 KB at K = 4864, which glibc served with a fresh mmap, faulted in again, per token chunk
-inline c10::BFloat16* rows_scratch(int64_t n) {
-  static thread_local std::unique_ptr<c10::BFloat16[]> buf;
-  static thread_local int64_t cap = 0;
-  if (n + 32 > cap) {
-    buf.reset();
-    cap = n + 32;
-    buf.reset(new c10::BFloat16[cap]);
-  }
-  return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<std::uintptr_t>(buf.get()) + 63) / 64 * 64);
-}
+// a worker's buffer for a block's widened rows (622 KB at K = 4864, once a fresh mmap per token pass)
+struct WidenedBlock;
+inline c10::BFloat16* rows_scratch(int64_t n) { return thread_scratch<c10::BFloat16, WidenedBlock>(n); }
 
 // x [M, K] bf16 rows (K even) -> [ceil(M / tb)][K / 2][tb] pairs of k (VNNI-2), in the calling thread's buffer,
 // reused from call to call (grown, never shrunk): a fresh one per call faulted its pages in again at prefill
@@ -831,15 +822,8 @@ inline c10::BFloat16* rows_scratch(int64_t n) {
 // tokens, and a column of C depends on its own column of B only; drive_amx_rows zeroes them).
 inline uint32_t* pack_tokens_vnni2(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, int64_t tb) {
   const int64_t kp = K / 2, nblk = (M + tb - 1) / tb;
-  static thread_local std::unique_ptr<uint32_t[]> buf;
-  static thread_local size_t cap = 0;
-  const size_t need = static_cast<size_t>(nblk * kp * tb);
-  if (need > cap) {
-    buf.reset();
-    buf.reset(new uint32_t[need]);
-    cap = need;
-  }
-  uint32_t* out = buf.get();
+  struct PackedTokens;
+  uint32_t* out = thread_scratch<uint32_t, PackedTokens>(static_cast<size_t>(nblk * kp * tb));
   at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t tn = std::min(tb, M - b * tb);

@@ -47,6 +47,7 @@ def _cmd_info(args) -> int:
         if dev.type == "cpu":
             print(f"  {_quantized_linear_line()}")
             print(f"  {_bf16_activation_line()}")
+            print(f"  {_sampler_line()}")
             from flashrl_kernels import _cpu_gemm
 
             for dt in (torch.bfloat16, torch.float16):
@@ -85,6 +86,21 @@ def _quantized_linear_line() -> str:
         kind = "AVX2 (vpmaddwd)" if _native.native_status().capability == "AVX2" else "VNNI"
         return f"INT8 W8A8 linear: plain-layout {kind} kernel (FLASHRL_NATIVE_PACKED=0)"
     return "INT8 linear: weight-only (no integer dot products here: AVX-512 without VNNI, or a portable build)"
+
+
+def _sampler_line() -> str:
+    """Which vLLM CPU engines draw tokens with flashrl's native sampler (docs/quantized_rollout.md)."""
+    from flashrl_kernels import _backend
+    from flashrl_kernels.integrations.vllm.sampler import sampler_mode
+
+    try:
+        mode = sampler_mode()
+    except ValueError as exc:
+        return f"vLLM token sampler: {exc}"
+    if not _backend.native_built():
+        return "vLLM token sampler: vLLM's (native library not built)"
+    who = {"auto": "the flashrl_int8 / flashrl_fp8 engines", "all": "every CPU engine", "0": "no engine"}[mode]
+    return f"vLLM token sampler: flashrl's native one in {who} (FLASHRL_VLLM_SAMPLER={mode}), vLLM's elsewhere"
 
 
 def _bf16_activation_line() -> str:

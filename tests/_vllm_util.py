@@ -71,6 +71,13 @@ def weights_as_bytes(model):
     return out
 
 
+def sampler_state(worker):
+    """Whether the worker's engine draws tokens with flashrl's native sampler (for llm.collective_rpc)."""
+    from flashrl_kernels.integrations.vllm.sampler import uses_flashrl_sampler
+
+    return uses_flashrl_sampler(worker.model_runner.sampler.topk_topp_sampler)
+
+
 def amx_state(model):
     """Whether the process running `model` may execute AMX instructions (for llm.apply_model)."""
     from flashrl_kernels._cpu import amx_permitted

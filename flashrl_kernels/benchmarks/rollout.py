@@ -30,6 +30,9 @@ Engines (`--engines`, default bf16,vllm_w8a8,flashrl_int8,flashrl_fp8):
   flashrl_int8  flashrl_fp8   the plugin's engines on the bf16 checkpoint, `--quant-options` applied
   flashrl_int8_plain          flashrl_int8 with weight_layout "plain": the plain-layout W8A8 kernel instead of the
                 packed one (opt-in; to compare the two)
+  flashrl_int8_vllm_sampler   flashrl_fp8_vllm_sampler   the flashrl engine drawing its tokens with vLLM's CPU
+                sampler instead of flashrl's (FLASHRL_VLLM_SAMPLER=0 while it is built; opt-in: what the sampler
+                alone gains, in the same run)
 `--kv-cache-dtype auto,fp8` runs every engine under each KV cache dtype, as rows of their own
 (`flashrl_int8+kv_fp8`).
 Engine mode: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), all alive at once and timed interleaved:
@@ -63,6 +66,9 @@ median time; prefill tokens/s = prompt tokens processed / median time (the one g
 not counted). "x vs bf16" = tokens/s / the bf16 engine's tokens/s for the same case. "engine start s": the
 `vllm.LLM(...)` call; the first engine built (bf16 when it runs) also pays vLLM's one-time set-up in the process
 (seconds: 6.6 s against 0.6-0.7 s for the next engines in a `--quick --eager` run), so it is no comparison.
+"sampler": what draws each token on a CPU, flashrl's native sampler (the flashrl engines by default) or vLLM's
+(integrations/vllm/sampler.py); `FLASHRL_VLLM_SAMPLER=all` gives every engine flashrl's, =0 none, so a run can
+compare the linears alone.
 `--profile N` (in-process engines): after the timed runs, one more generate per engine and case under
 torch.profiler, and its N costliest ops by self CPU time (the linears, the head, attention, the sampler, the
 compiled graph), printed after the table and kept in --json: where a step's time goes when two engines differ.
@@ -114,13 +120,17 @@ STANDALONE = True  # not a harness op: the CLI calls main(args); cases() is empt
 
 QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
              "tie_word_embeddings": True, "max_positions": 4096}  # as in bench/sync_bench.py
-ENGINES = ("bf16", "vllm_w8a8", "vllm_w8a8_sgl", "flashrl_int8", "flashrl_int8_plain", "flashrl_fp8")
+ENGINES = ("bf16", "vllm_w8a8", "vllm_w8a8_sgl", "flashrl_int8", "flashrl_int8_plain", "flashrl_int8_vllm_sampler",
+           "flashrl_fp8", "flashrl_fp8_vllm_sampler")
 DEFAULT_ENGINES = ("bf16", "vllm_w8a8", "flashrl_int8", "flashrl_fp8")
 # the engines that are vLLM without flashrl: the references every flashrl number is shown beside
 STOCK_ENGINES = ("bf16", "vllm_w8a8", "vllm_w8a8_sgl")
 # flashrl variants: (quantization method, options merged into --quant-options)
 FLASHRL_VARIANTS = {"flashrl_int8": ("flashrl_int8", {}), "flashrl_fp8": ("flashrl_fp8", {}),
-                    "flashrl_int8_plain": ("flashrl_int8", {"weight_layout": "plain"})}
+                    "flashrl_int8_plain": ("flashrl_int8", {"weight_layout": "plain"}),
+                    "flashrl_int8_vllm_sampler": ("flashrl_int8", {}), "flashrl_fp8_vllm_sampler": ("flashrl_fp8", {})}
+# engines built under another FLASHRL_VLLM_SAMPLER than the process's (integrations/vllm/sampler.py)
+SAMPLER_OVERRIDES = {"flashrl_int8_vllm_sampler": "0", "flashrl_fp8_vllm_sampler": "0"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype; fp8 on CPU needs AVX-512 / AMX
 CASES = ("decode8", "decode32", "prefill")
 QUICK_CASES = ("decode8", "prefill")  # --quick runs these unless --cases says otherwise
@@ -328,6 +338,7 @@ class Row:
     bound_tokens_per_s: float | None = None  # decode: tokens/s if every step only read its bytes at read_gbps
     of_bound: float | None = None  # tokens_per_s / bound_tokens_per_s
     step_mbytes: float | None = None  # bytes one decode step reads (weights, scales, KV cache), MB
+    sampler: str | None = None  # what draws the tokens: "flashrl" (the native CPU sampler) or "vllm"
     error: str | None = None
 
 
@@ -474,11 +485,13 @@ def run(args) -> tuple[dict, list[Row]]:
             import vllm
 
             t0 = time.perf_counter()
-            with _sgl_int8_forced(engine == "vllm_w8a8_sgl"):
+            with _sgl_int8_forced(engine == "vllm_w8a8_sgl"), _sampler_env(SAMPLER_OVERRIDES.get(engine)):
                 llm = vllm.LLM(path, quantization=quant, kv_cache_dtype=kv, **kw, **extra)
+                sampler = _sampler_of(quant)
             start_s = time.perf_counter() - t0
             for r in engine_rows.values():
                 r.engine_start_s = start_s
+                r.sampler = sampler
             bar.set_postfix_str(f"{label}: warm-up")
             # one untimed generate per case (2 new tokens): first-call set-up of the prefill and decode paths of
             # each batch shape stays out of the timed runs
@@ -620,6 +633,34 @@ def _sgl_int8_forced(on: bool):
         scaled_mm_cpu.check_cpu_sgl_kernel = original
 
 
+@contextlib.contextmanager
+def _sampler_env(mode: str | None):
+    """FLASHRL_VLLM_SAMPLER=mode while an engine is built (its sampler reads it then; worker processes inherit it)."""
+    if mode is None:
+        yield
+        return
+    old = os.environ.get("FLASHRL_VLLM_SAMPLER")
+    os.environ["FLASHRL_VLLM_SAMPLER"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FLASHRL_VLLM_SAMPLER", None)
+        else:
+            os.environ["FLASHRL_VLLM_SAMPLER"] = old
+
+
+def _sampler_of(quantization: str | None) -> str:
+    """Which sampler an engine built with this quantization draws with (integrations/vllm/sampler.py)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "vllm"
+    from flashrl_kernels.integrations.vllm.sampler import selected_for
+
+    return "flashrl" if selected_for(quantization) else "vllm"
+
+
 def _split(text, allowed, flag, default=None) -> list[str]:
     if not text:
         return list(default or allowed)
@@ -636,7 +677,7 @@ def _fmt(v, spec):
 
 def format_table(rows: list[Row]) -> str:
     headers = ["engine", "case", "tokens/s", "x vs bf16", "x vs w8a8", "bound tok/s", "of bound", "KL est.",
-               "mean|dlogp|", "max|dlogp|", "engine start s"]
+               "mean|dlogp|", "max|dlogp|", "engine start s", "sampler"]
     w8a8 = {r.case: r.tokens_per_s for r in rows if r.engine == "vllm_w8a8" and r.tokens_per_s}
     table = []
     for r in rows:
@@ -644,7 +685,7 @@ def format_table(rows: list[Row]) -> str:
         vs_w8a8 = r.tokens_per_s / w8a8[r.case] if r.tokens_per_s and w8a8.get(r.case) else None
         cells = [r.engine, r.case, tps, _fmt(r.vs_bf16, ".2f"), _fmt(vs_w8a8, ".2f"), _fmt(r.bound_tokens_per_s, ".1f"),
                  _fmt(r.of_bound, ".0%"), _fmt(r.kl_est, ".2e"), _fmt(r.mean_abs_dlogp, ".3f"),
-                 _fmt(r.max_abs_dlogp, ".3f"), _fmt(r.engine_start_s, ".1f")]
+                 _fmt(r.max_abs_dlogp, ".3f"), _fmt(r.engine_start_s, ".1f"), r.sampler or "-"]
         if r.error:
             cells.append(f"error: {r.error}")
         table.append(cells)
@@ -655,7 +696,9 @@ def format_table(rows: list[Row]) -> str:
     out.append("tokens/s: generated tokens / median time (decode), prompt tokens / median time (prefill); "
                "KL est. = mean(logp_bf16 - logp_engine) over the bf16 engine's decode8 samples (teacher-forced, T=1); "
                "bound tok/s: decode tokens/s if each step took only (bytes it reads) / (measured read bandwidth); "
-               "engine start s: vllm.LLM(...), the first engine's including vLLM's one-time set-up in this process")
+               "engine start s: vllm.LLM(...), the first engine's including vLLM's one-time set-up in this process; "
+               "sampler: what draws each token, flashrl's native CPU sampler or vLLM's (FLASHRL_VLLM_SAMPLER: auto, "
+               "the default, gives it to the flashrl engines; all to every engine)")
     return "\n".join(out)
 
 

@@ -5,6 +5,7 @@ from .linear_policy_loss import linear_policy_loss_forward
 from .logprobs import token_logprobs_backward, token_logprobs_forward, token_logprobs_spec
 from .policy_loss import policy_loss_backward, policy_loss_forward, policy_loss_spec
 from .quantize import dequantize_rows_forward, quantize_rows_forward, quantize_rows_spec, scaled_linear_forward
+from .sampling import sample_categorical
 from .value_loss import value_loss_backward, value_loss_forward, value_loss_spec
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "policy_loss_spec",
     "quantize_rows_forward",
     "quantize_rows_spec",
+    "sample_categorical",
     "scaled_linear_forward",
     "token_logprobs_backward",
     "token_logprobs_forward",

@@ -54,10 +54,12 @@ def register() -> None:
     if _registered:
         return
     from .quant import register_configs
+    from .sampler import install as install_sampler
     from .worker import install_worker_methods
 
     register_configs()
     install_worker_methods()  # sync_weights into multi-process / tensor-parallel engines
+    install_sampler()  # the native CPU sampler in flashrl engines (FLASHRL_VLLM_SAMPLER; sampler.py)
     _registered = True
 
 

@@ -1,0 +1,183 @@
+// One token per row sampled from softmax(logits), by inversion of the row's CDF: the CPU sampler of the
+// flashrl vLLM engines (flashrl_kernels/integrations/vllm/sampler.py). Spec:
+// flashrl_kernels/reference/sampling.py:
+//   e_k = exp(x_k - m), m = max_k x_k,   S = sum_k e_k,   u = U(seed) in [0, 1) (53 bits of splitmix64(seed)),
+//   token = min { k : e_0 + ... + e_k > u S }.
+// Entries of -inf (top-k / top-p masks) have e_k = 0 and are never drawn. A row with a NaN, or without a finite
+// maximum (all -inf, or a +inf), returns the first maximum of its non-NaN entries (0 if none).
+//
+// vLLM's own CPU sampler draws a SplitMix64 Gumbel variable per vocabulary entry (two logarithms each); this
+// needs one exponential per entry and one uniform per row. Two passes read the row: its max (and NaN check),
+// then the sums of e_k per block of kBlock entries; the block where the running sum crosses u S is recomputed
+// and scanned in double. The e_k of a block come from one function in both passes, so the scan sees the values
+// whose sum picked the block; when rounding puts u S between the block's double and vector sums, the block's
+// last positive entry is taken (a shift of mass ~1e-7 of the block's, far below sampling noise).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "vec_utils.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace flashrl_native {
+namespace {
+
+constexpr int64_t kBlock = 512;  // entries per block: 2 KiB of fp32 exponentials, L1-resident
+static_assert(kBlock % kW == 0, "a block holds whole vectors");
+
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+inline double uniform01(int64_t seed) {
+  return static_cast<double>(splitmix64(static_cast<uint64_t>(seed)) >> 11) * 0x1.0p-53;
+}
+
+// e_k = 2^(x_k c - mc) of the n <= kBlock entries at x into out[0, n), zeros after n up to whole vectors.
+template <typename T>
+inline int64_t block_exps(const T* x, int64_t n, const Vec& vc, const Vec& vmc, float* out) {
+  const Vec lo(kT2Min);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    exp2_clamped(at::vec::clamp_min(at::vec::fmadd(load_f32(x + i), vc, vmc), lo)).store(out + i);
+  }
+  if (i < n) {
+    alignas(64) float buf[kW];
+    for (int64_t k = 0; k < kW; ++k) buf[k] = i + k < n ? static_cast<float>(x[i + k]) : kNegInf;
+    exp2_clamped(at::vec::clamp_min(at::vec::fmadd(Vec::loadu(buf), vc, vmc), lo)).store(out + i);
+    i += kW;
+  }
+  return i;  // n rounded up to whole vectors; entries past n are exactly 0
+}
+
+template <typename T>
+int64_t first_max(const T* x, int64_t v) {
+  int64_t best = 0;
+  float bv = kNegInf;
+  bool found = false;
+  for (int64_t k = 0; k < v; ++k) {
+    const float f = static_cast<float>(x[k]);
+    if (std::isnan(f)) continue;
+    if (!found || f > bv) {
+      best = k;
+      bv = f;
+      found = true;
+    }
+  }
+  return best;
+}
+
+template <typename T>
+int64_t sample_row(const T* x, int64_t v, int64_t seed, std::vector<double>& block_sums) {
+  // pass 1: the max, and whether the row holds a NaN
+  Vec vmax0(kNegInf), vmax1(kNegInf), nan_bits(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kW <= v; i += 2 * kW) {
+    const Vec a = load_f32(x + i), b = load_f32(x + i + kW);
+    vmax0 = plain_max(vmax0, a);
+    vmax1 = plain_max(vmax1, b);
+    nan_bits = nan_bits | (a != a) | (b != b);
+  }
+  float m = lane_max(plain_max(vmax0, vmax1));
+  bool nan = false;
+  {
+    alignas(64) uint32_t bits[kW];
+    nan_bits.store(reinterpret_cast<float*>(bits));
+    for (int64_t k = 0; k < kW; ++k) nan = nan || bits[k] != 0;
+  }
+  for (; i < v; ++i) {
+    const float f = static_cast<float>(x[i]);
+    nan = nan || std::isnan(f);
+    m = std::max(m, f);
+  }
+  if (nan || !std::isfinite(m)) return first_max(x, v);
+
+  // pass 2: sum of e_k per block
+  const float c = kLog2e;
+  const Vec vc(c), vmc(-(m * c));
+  const int64_t nblocks = (v + kBlock - 1) / kBlock;
+  block_sums.resize(nblocks);
+  alignas(64) float e[kBlock];
+  double total = 0.0;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n = std::min(kBlock, v - b * kBlock);
+    const int64_t nv = block_exps(x + b * kBlock, n, vc, vmc, e);
+    Vec s0(0.f), s1(0.f);
+    int64_t k = 0;
+    for (; k + 2 * kW <= nv; k += 2 * kW) {
+      s0 = s0 + Vec::loadu(e + k);
+      s1 = s1 + Vec::loadu(e + k + kW);
+    }
+    if (k < nv) s0 = s0 + Vec::loadu(e + k);
+    block_sums[b] = lane_sum(s0 + s1);
+    total += block_sums[b];
+  }
+
+  // pass 3: the block where the running sum crosses u S, then the entry inside it
+  const double target = uniform01(seed) * total;
+  double before = 0.0;
+  int64_t b = 0;
+  for (; b + 1 < nblocks && before + block_sums[b] <= target; ++b) before += block_sums[b];
+  const int64_t n = std::min(kBlock, v - b * kBlock);
+  block_exps(x + b * kBlock, n, vc, vmc, e);
+  double run = before;
+  int64_t last_positive = -1;
+  for (int64_t k = 0; k < n; ++k) {
+    if (e[k] > 0.f) {
+      run += e[k];
+      last_positive = k;
+      if (run > target) return b * kBlock + k;
+    }
+  }
+  if (last_positive >= 0) return b * kBlock + last_positive;
+  return first_max(x, v);  // unreachable for a finite max: its own block holds an e_k of ~1
+}
+
+at::Tensor sample_categorical(const at::Tensor& logits, const at::Tensor& seeds) {
+  TORCH_CHECK(logits.dim() == 2, "sample_categorical: logits must be [rows, vocab], got ", logits.dim(), " dims");
+  TORCH_CHECK(logits.device().is_cpu() && seeds.device().is_cpu(), "sample_categorical: CPU tensors only");
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "sample_categorical: logits must be float32, bfloat16 or float16, got ", dt);
+  const int64_t rows = logits.size(0), v = logits.size(1);
+  TORCH_CHECK(v > 0, "sample_categorical: empty vocabulary");
+  TORCH_CHECK(logits.stride(1) == 1 || v == 1, "sample_categorical: logits must have unit stride along the vocabulary");
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 1 && seeds.size(0) == rows && seeds.is_contiguous(),
+              "sample_categorical: seeds must be a contiguous int64 vector with one entry per row");
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t* s = seeds.const_data_ptr<int64_t>();
+  const int64_t stride = logits.stride(0);
+  auto run = [&](auto* base) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<double> block_sums;
+      for (int64_t r = begin; r < end; ++r) o[r] = sample_row(base + r * stride, v, s[r], block_sums);
+    });
+  };
+  if (dt == at::kFloat) {
+    run(logits.const_data_ptr<float>());
+  } else if (dt == at::kBFloat16) {
+    run(logits.const_data_ptr<c10::BFloat16>());
+  } else {
+    run(logits.const_data_ptr<c10::Half>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flashrl_native, m) { m.def("sample_categorical(Tensor logits, Tensor seeds) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) { m.impl("sample_categorical", &sample_categorical); }
+
+}  // namespace flashrl_native

@@ -785,6 +785,28 @@ def test_sampler_choice_follows_the_environment(ckpts, monkeypatch, mode):
         gc.collect()
 
 
+def test_sampler_patch_is_reversible(monkeypatch):
+    """uninstall() gives vLLM its own TopKTopPSampler back; install() wraps it again. A sampler built outside an
+    engine has no quantization: only FLASHRL_VLLM_SAMPLER=all gives it the native draw."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    from flashrl_kernels.integrations.vllm import sampler
+
+    sampler.install()
+    wrapped = TopKTopPSampler.__init__
+    monkeypatch.setenv("FLASHRL_VLLM_SAMPLER", "all")
+    assert sampler.uses_flashrl_sampler(TopKTopPSampler("processed_logprobs"))
+    sampler.uninstall()
+    try:
+        assert TopKTopPSampler.__init__ is wrapped.__wrapped__
+        assert not sampler.uses_flashrl_sampler(TopKTopPSampler("processed_logprobs"))
+    finally:
+        sampler.install()
+    assert sampler.uses_flashrl_sampler(TopKTopPSampler("processed_logprobs"))
+    monkeypatch.setenv("FLASHRL_VLLM_SAMPLER", "auto")
+    assert not sampler.uses_flashrl_sampler(TopKTopPSampler("processed_logprobs"))
+
+
 def test_sampler_mode_is_validated(monkeypatch):
     from flashrl_kernels.integrations.vllm.sampler import sampler_mode
 

@@ -22,7 +22,7 @@ import types
 
 import torch
 
-__all__ = ["install", "installed", "sampler_mode", "selected_for", "uninstall", "uses_flashrl_sampler"]
+__all__ = ["install", "sampler_mode", "selected_for", "uninstall", "uses_flashrl_sampler"]
 
 _FLASHRL_QUANT = ("flashrl_int8", "flashrl_fp8")
 _MODES = ("auto", "all", "0")
@@ -88,10 +88,6 @@ def _forward_cpu(self, logits: torch.Tensor, generators: dict, k, p):
 def uses_flashrl_sampler(sampler) -> bool:
     """Whether a vLLM TopKTopPSampler (`runner.sampler.topk_topp_sampler`) draws with sample_categorical."""
     return getattr(getattr(sampler, "forward", None), "__func__", None) is _forward_cpu
-
-
-def installed() -> bool:
-    return _original_init is not None
 
 
 def install() -> bool:

@@ -10,12 +10,14 @@ process, round by round. On a shared VM whose memory bandwidth moves between pro
 guest: the same INT8 set took 14 to 23 ms at 1 token from one process to the next) that comparison contradicted
 itself. Here FLASHRL_NATIVE_DISPATCH_LIVE=1 makes the library read the dispatch variables at every call
 (`dispatch_int` in csrc/cpu/cpu_features.h: FLASHRL_NATIVE_AMX_MIN_M, _AMX_BF16_MIN_M, _AMX_HEAD_MIN_M,
-_AMX_PF_KB, _BRGEMM_MIN_M, _BF16_BRGEMM_MIN_M, _THP), so the variants share the machine's every phase.
+_AMX_PF_KB, _BRGEMM_MIN_M, _BF16_BRGEMM_MIN_M, _THP, _AVX2_PAIR_ROWS, _AVX2_WIDE_MIN_M), so the variants share the
+machine's every phase.
 
 A variant is NAME:VAR=V,VAR=V (no assignments: the process's defaults); a variable one variant sets is unset for
-the others. Kernels (default): the 24 layers' linears of Qwen2.5-0.5B's shapes as flashrl_int8 (packed W8A8) or
+the others. An unset variable reads as the value the process cached at its first call, which is the first variant's
+when that one set it: give every variant an explicit value of a variable that any variant sets. Kernels (default): the 24 layers' linears of Qwen2.5-0.5B's shapes as flashrl_int8 (packed W8A8) or
 flashrl_fp8 (weight-only) run them, or the 151936 x 896 bf16 head, per token count M. --engines: whole in-process
-compiled vLLM engines on the rollout bench's checkpoint and cases (flashrl-kernels bench --op rollout), bf16
+compiled vLLM engines on the rollout bench's checkpoint (--layers deep) and cases (flashrl-kernels bench --op rollout), bf16
 timed once per round as the reference. Prints per case the median time of each variant and the median of its
 per-round ratio to the first variant (< 1: faster).
 """
@@ -59,7 +61,7 @@ def kernel_runs(kernels: list[str], ms: list[int], layers: int, vocab: int):
     return {(k, f"M={m}"): fn for m, runs in linear_runs(ms, layers, vocab, kernels).items() for k, fn in runs.items()}
 
 
-def engine_runs(engines: list[str], names: list[str]):
+def engine_runs(engines: list[str], names: list[str], layers: int):
     """{(engine, case): callable} on in-process compiled engines; also (token counts per case)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -68,7 +70,7 @@ def engine_runs(engines: list[str], names: list[str]):
 
     from flashrl_kernels.benchmarks import rollout as R
 
-    cfg, specs = R.model_config(R.DEFAULT_LAYERS, R.DEFAULT_HIDDEN), R.case_specs(False)
+    cfg, specs = R.model_config(layers, R.DEFAULT_HIDDEN), R.case_specs(False)
     ckpt = R.build_checkpoint(R.checkpoint_dir(os.environ.get("FLASHRL_BENCH_CACHE", "/tmp/flashrl_sync_bench"), cfg),
                               cfg)
     prompts = {n: R.make_prompts(specs[n], cfg["vocab"]) for n in names}
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", required=True, help="NAME:VAR=V,VAR=V (repeat; the first is the base)")
     ap.add_argument("--kernels", default="int8,fp8,head")
     ap.add_argument("--m", default="1,4,8,16,32,64", help="token counts (kernels)")
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=24, help="layers of the linears (kernels) or of the engine model")
     ap.add_argument("--vocab", type=int, default=151936, help="LM head rows (hidden size 896)")
     ap.add_argument("--engines", help="in-process vLLM engines instead of kernels: bf16,flashrl_int8,flashrl_fp8")
     ap.add_argument("--cases", default="decode8,prefill", help="rollout bench cases (engines)")
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
     every = {var for _, env in variants for var in env}
     if args.engines:
         engines = args.engines.split(",")
-        runs = engine_runs(engines, args.cases.split(","))
+        runs = engine_runs(engines, args.cases.split(","), args.layers)
     else:
         runs = kernel_runs(args.kernels.split(","), [int(m) for m in args.m.split(",")], args.layers, args.vocab)
     from flashrl_kernels import _cpu

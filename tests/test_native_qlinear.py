@@ -193,6 +193,91 @@ def test_bf16_linear_vs_float64(m, n, k):
         torch.ops.flashrl_native.bf16_linear(x.float(), w, None)
 
 
+# K % 16 == 0: AVX2 builds run the lane-pair tiles (csrc/cpu/avx2_pair_rows.h): 8 x 1, 4 x 2, 2 x 4 and 1 x 4 tiles
+# over 64-row panels, the rows a panel leaves over one at a time
+_PAIR_SHAPES = [(m, n, k) for m in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 23) for n, k in ((131, 16), (67, 896))] + [
+    (70, 200, 64), (33, 64, 4864)]
+
+
+@pytest.mark.parametrize("m,n,k", _PAIR_SHAPES)
+def test_bf16_linear_pair_tiles_vs_float64(m, n, k):
+    """Every tile shape and panel remainder of the AVX2 lane-pair driver (other builds: their own bf16 paths), on
+    strided rows of x and w, against float64."""
+    if not _caps()["vector"]:
+        pytest.skip("portable build: no bf16_linear")
+    g = torch.Generator().manual_seed(7 * m + n + k)
+    w = (torch.randn(n, k + 16, generator=g) * 0.1).bfloat16()[:, 16:]
+    x = (torch.randn(m, k + 32, generator=g) * 2).bfloat16()[:, 32:]
+    b = torch.randn(n, generator=g)
+    y = torch.ops.flashrl_native.bf16_linear(x, w, b)
+    _check(y, x.double() @ w.double().T + b.double(), torch.bfloat16)
+
+
+def test_bf16_linear_fp32_tiles_switch(tmp_path):
+    """FLASHRL_NATIVE_AVX2_PAIR_ROWS=0 keeps the fp32 tiles on vpmovzxwd-widened rows (the A/B baseline); both drivers
+    match float64, and on AVX2 builds they sum in different orders (so the switch reaches the kernel)."""
+    import os
+    import subprocess
+    import sys
+
+    from flashrl_kernels import _native
+
+    if not _caps()["vector"]:
+        pytest.skip("portable build: no bf16_linear")
+    script = (  # each variable is read once per process
+        "import sys, torch\n"
+        "from flashrl_kernels import _native\n"
+        "assert _native.load()\n"
+        "g = torch.Generator().manual_seed(4)\n"
+        "x, w = torch.randn(11, 896, generator=g).bfloat16(), torch.randn(4000, 896, generator=g).bfloat16()\n"
+        "torch.save(torch.ops.flashrl_native.bf16_linear(x, w, None), sys.argv[1])\n")
+    outs = {}
+    for flag in ("0", "1"):
+        path = tmp_path / f"flag{flag}.pt"
+        r = subprocess.run([sys.executable, "-c", script, path], check=False, capture_output=True, text=True,
+                           env={**os.environ, "FLASHRL_NATIVE_AVX2_PAIR_ROWS": flag}, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        outs[flag] = torch.load(path)
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(11, 896, generator=g).bfloat16(), torch.randn(4000, 896, generator=g).bfloat16()
+    ref = x.double() @ w.double().T
+    for y in outs.values():
+        _check(y, ref, torch.bfloat16)
+    if _native.native_status().capability == "AVX2":
+        assert not torch.equal(outs["0"], outs["1"])
+
+
+def test_weight_only_wide_panels_are_bit_identical(tmp_path):
+    """AVX2 weight-only calls from 8 tokens run 8 x 1 tiles over row panels (drive_wide_panels): the same sums in
+    the same lane order as the 4 x 2 tiles (FLASHRL_NATIVE_AVX2_WIDE_MIN_M=0), so bit-identical outputs, for every
+    token remainder and row count off the 64-row panels."""
+    import os
+    import subprocess
+    import sys
+
+    if not _caps()["vector"]:
+        pytest.skip("portable build")
+    script = (
+        "import sys, torch\n"
+        "import flashrl_kernels as fk\n"
+        "g = torch.Generator().manual_seed(9)\n"
+        "outs = []\n"
+        "for qd in (torch.int8, torch.float8_e4m3fn):\n"
+        "    for m, n, k in ((8, 67, 896), (9, 130, 100), (15, 64, 33), (23, 200, 896), (70, 65, 4864)):\n"
+        "        q, s = fk.quantize_rows(torch.randn(n, k, generator=g), qd)\n"
+        "        x, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g)\n"
+        "        outs.append(torch.ops.flashrl_native.qlinear(x, q, s, b, False))\n"
+        "torch.save(outs, sys.argv[1])\n")
+    outs = {}
+    for flag in ("0", "8"):
+        path = tmp_path / f"wide{flag}.pt"
+        r = subprocess.run([sys.executable, "-c", script, str(path)], check=False, capture_output=True, text=True,
+                           env={**os.environ, "FLASHRL_NATIVE_AVX2_WIDE_MIN_M": flag}, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        outs[flag] = torch.load(path)
+    assert len(outs["0"]) == 10 and all(torch.equal(a, b) for a, b in zip(outs["0"], outs["8"]))
+
+
 _BRGEMM_ROWS_SCRIPT = r"""
 import sys, torch
 import flashrl_kernels as fk

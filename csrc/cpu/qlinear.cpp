@@ -49,6 +49,7 @@
 #endif
 
 #include "amx_tiles.h"
+#include "avx2_pair_rows.h"
 #include "linear_memory.h"
 #include "cpu_features.h"
 #include "token_quant.h"
@@ -98,6 +99,10 @@ constexpr int64_t kAmxBf16HeadMinM = 5;
 // tokens from which widened int8 / fp8 rows run drive_amx_wb (the rows re-laid as tdpbf16ps's B) instead of
 // drive_amx_rows: 0.70-0.85x its time at 512-2048 tokens, equal at 64, 1.44x at 8 (the re-laying is per block)
 constexpr int64_t kAmxWbMinM = 128;
+// AVX2 builds run bf16_linear on the lane-pair tiles (avx2_pair_rows.h) where K % 16 == 0: 0.69-0.91x the time of
+// the fp32 tiles on vpmovzxwd-widened rows at 4-256 tokens, equal at 1 (docs/native.md, "The bf16 head on AVX2");
+// FLASHRL_NATIVE_AVX2_PAIR_ROWS=0 keeps the fp32 tiles
+constexpr int64_t kAvx2PairRows = 1;
 constexpr int64_t kBrgemmBf16MinMNoAmx = 128;
 
 
@@ -425,6 +430,40 @@ void drive_pairs(int64_t M, int64_t N, int64_t pf_bytes, Kernel&& kernel, Emit&&
   }, emit);
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// Weight-only calls of 8 tokens and more on AVX2: tiles of 8 tokens x 1 row (kernel(8, 1, ...)), each widened
+// weight vector feeding 8 FMAs where the 4 x 2 tiles of drive_pairs widen every row once per 4 tokens, over panels
+// of kWidePanelRows rows; every token tile passes over a panel before the next panel, so its rows come from memory
+// once (the first tile prefetches) and from L2 after that, and 8 tokens' fp32 rows stay in L1. The tokens left
+// over take 4 / 2 / 1 x 1 tiles. The lanes sum along K in the same order as every other tile: bit-identical.
+constexpr int64_t kWidePanelRows = 64;
+template <typename Kernel, typename Emit>
+void drive_wide_panels(int64_t M, int64_t N, int64_t pf_bytes, Kernel&& kernel, Emit&& emit) {
+  const int64_t panels = (N + kWidePanelRows - 1) / kWidePanelRows;
+  at::parallel_for(0, panels, 4, [&](int64_t b0, int64_t b1) {
+    float dots[8];
+    auto pass = [&](auto MT, int64_t m0, int64_t n0, int64_t n1) {
+      constexpr int mt = decltype(MT)::value;
+      for (int64_t n = n0; n < n1; ++n) {
+        kernel(MT, std::integral_constant<int, 1>{}, m0, n, dots, m0 == 0 ? pf_bytes : 0);
+        for (int m = 0; m < mt; ++m) emit(m0 + m, n, dots[m]);
+      }
+    };
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kWidePanelRows, n1 = std::min(N, n0 + kWidePanelRows);
+      int64_t m0 = 0;
+      for (; m0 + 8 <= M; m0 += 8) pass(std::integral_constant<int, 8>{}, m0, n0, n1);
+      if (M - m0 >= 4) pass(std::integral_constant<int, 4>{}, m0, n0, n1), m0 += 4;
+      if (M - m0 >= 2) pass(std::integral_constant<int, 2>{}, m0, n0, n1), m0 += 2;
+      if (M - m0 >= 1) pass(std::integral_constant<int, 1>{}, m0, n0, n1);
+    }
+  });
+}
+// tokens from which AVX2 weight-only calls (FP8, weight-only INT8) run drive_wide_panels (FLASHRL_NATIVE_AVX2_WIDE_MIN_M;
+// 0: never): docs/native.md, "The bf16 head on AVX2"
+constexpr int64_t kAvx2WideMinM = 8;
+#endif
+
 template <typename Out>
 struct Writer {
   Out* y;
@@ -463,9 +502,18 @@ void run_weight_only(const at::Tensor& x, const Q* w, int64_t ldw, int64_t N, co
   }
   const int64_t ldx = x.scalar_type() == at::kFloat ? x.stride(0) : K;
   const int64_t pf_bytes = kPrefetchBlocks * 2 * ldw * int64_t{sizeof(Q)};
-  drive_pairs(M, N, pf_bytes, [&](auto MT, auto NB, int64_t m0, int64_t n0, float* out, int64_t pf) {
+  auto kernel = [&](auto MT, auto NB, int64_t m0, int64_t n0, float* out, int64_t pf) {
     fma_block<decltype(MT)::value, decltype(NB)::value>(xf + m0 * ldx, ldx, w + n0 * ldw, ldw, K, out, pf);
-  }, emit);
+  };
+#if defined(CPU_CAPABILITY_AVX2)
+  static const int64_t wide_min_m = env_int("FLASHRL_NATIVE_AVX2_WIDE_MIN_M", kAvx2WideMinM);
+  const int64_t wide_from = dispatch_int("FLASHRL_NATIVE_AVX2_WIDE_MIN_M", wide_min_m);
+  if (!std::is_same_v<Q, c10::BFloat16> && wide_from > 0 && M >= wide_from) {  // (bf16 rows: avx2_pair_rows.h)
+    drive_wide_panels(M, N, pf_bytes, kernel, emit);
+    return;
+  }
+#endif
+  drive_pairs(M, N, pf_bytes, kernel, emit);
 }
 #endif
 
@@ -1346,6 +1394,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
         return fma_tile(xr, wr, k);
       }, 0);
 #elif defined(CPU_CAPABILITY_AVX2)
+  static const int64_t pair_rows = env_int("FLASHRL_NATIVE_AVX2_PAIR_ROWS", kAvx2PairRows);
+  if (K % 16 == 0 && dispatch_int("FLASHRL_NATIVE_AVX2_PAIR_ROWS", pair_rows) != 0) {
+    struct PairTokens {};
+    float* xp = thread_scratch<float, PairTokens>(static_cast<size_t>(M * K));
+    c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+    avx2_pair_rows::run(x.const_data_ptr<c10::BFloat16>(), x.stride(0), M, K, wp, w.stride(0), N, xp,
+                        [&](int64_t m, int64_t n, float v) { yp[m * N + n] = static_cast<c10::BFloat16>(bp ? v + bp[n] : v); });
+    return y;
+  }
   run_weight_only<c10::BFloat16, c10::BFloat16>(x, wp, w.stride(0), N, nullptr, bp, y);
 #endif
   return y;

@@ -116,6 +116,25 @@ def test_rollout_rows_say_which_sampler_draws(monkeypatch):
     assert table.splitlines()[0].split()[-1] == "sampler" and table.splitlines()[2].split()[-1] == "flashrl"
 
 
+def test_rollout_cases_ask_for_the_sampled_tokens_logprob():
+    """rollout8 / rollout32 are decode8 / decode32 with logprobs=0 (what TIS rollouts request); opt-in cases."""
+    pytest.importorskip("vllm", exc_type=ImportError)
+    specs = rb.case_specs(False)
+    assert specs["rollout8"].logprobs == 0 and specs["rollout32"].logprobs == 0 and specs["decode8"].logprobs is None
+    assert (specs["rollout32"].n_prompts, specs["rollout32"].max_tokens) == (32, 128)
+    assert set(rb.DEFAULT_CASES) == {"decode8", "decode32", "prefill"} and set(rb.CASES) > set(rb.DEFAULT_CASES)
+
+    class Recorder:
+        def generate(self, prompts, params, use_tqdm):
+            self.params = params
+            return []
+
+    for name, want in (("rollout8", 0), ("decode8", None)):
+        llm = Recorder()
+        rb._generate(llm, [[1, 2, 3]] * 2, specs[name])
+        assert [p.logprobs for p in llm.params] == [want, want] and all(p.seed is not None for p in llm.params)
+
+
 def test_tp_thread_binding_splits_this_process_cpus(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2, 5}, raising=False)
     assert rb.tp_thread_binding(2) == "0,1|2,3"  # equal runs; the odd CPU out stays free

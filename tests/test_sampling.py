@@ -113,3 +113,61 @@ def test_bad_inputs_raise():
         native(x, torch.zeros(4, dtype=torch.long))
     with pytest.raises(RuntimeError, match="empty vocabulary"):
         native(torch.empty(3, 0), s)
+
+
+# ---- the sampled token's logprob and rank (token_logprob_rank: the flashrl engines' rollout logprobs) ----
+
+def _logprob_rank(logits, tokens):
+    return torch.ops.flashrl_native.token_logprob_rank(logits, tokens)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 15, 16, 17, 513, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_token_logprob_rank_matches_reference(vocab, dtype):
+    """Against float64 on fresh random rows (flat, typical, peaked; -inf masks as top-k leaves them; ties from the
+    low-precision dtypes), the tokens drawn by the sampler and arbitrary ones; also against torch's float32
+    log_softmax, which is what vLLM returns."""
+    from flashrl_kernels.reference.sampling import token_logprob_rank
+
+    gen = torch.Generator().manual_seed(vocab + len(str(dtype)))
+    rows = 9 if vocab > 100000 else 60
+    scale = torch.tensor([0.1, 2.0, 20.0]).repeat(rows // 3 + 1)[:rows, None]
+    x = torch.randn(rows, vocab, generator=gen) * scale
+    if vocab > 4:
+        x[::4, torch.randperm(vocab, generator=gen)[: vocab // 2]] = float("-inf")
+    x = x.to(dtype)
+    drawn = native(x, seeds_for(rows, gen))
+    anywhere = torch.randint(0, vocab, (rows,), generator=gen)
+    tokens = torch.where(torch.isinf(x.float().gather(1, anywhere[:, None]))[:, 0], drawn, anywhere)
+    for t in (drawn, tokens):
+        lp, rank = _logprob_rank(x, t)
+        want_lp, want_rank = token_logprob_rank(x, t)
+        assert lp.dtype == torch.float32 and rank.dtype == torch.int64
+        assert torch.equal(rank, want_rank)
+        torch.testing.assert_close(lp.double(), want_lp, rtol=0, atol=2e-5)
+        torch.testing.assert_close(lp, x.float().log_softmax(-1).gather(1, t[:, None])[:, 0], rtol=0, atol=5e-5)
+        assert ((rank >= 1) & (rank <= vocab)).all()
+
+
+def test_token_logprob_rank_degenerate_rows_and_bad_inputs():
+    from flashrl_kernels.reference.sampling import token_logprob_rank
+
+    inf = float("inf")
+    x = torch.tensor([[0.0, float("nan"), 1.0], [-inf, -inf, -inf], [1.0, inf, 0.0], [2.0, 2.0, -inf], [3.0, -inf, 1.0]])
+    t = torch.tensor([2, 0, 1, 1, 0])
+    lp, rank = _logprob_rank(x, t)
+    want_lp, want_rank = token_logprob_rank(x, t)
+    assert torch.isnan(lp[:3]).all() and torch.isnan(want_lp[:3]).all()
+    torch.testing.assert_close(lp[3:].double(), want_lp[3:], rtol=0, atol=1e-6)
+    assert torch.equal(rank, want_rank) and rank.tolist()[3:] == [2, 1]
+    strided = torch.randn(4, 40)[:, ::2]
+    with pytest.raises(RuntimeError, match="unit stride"):
+        _logprob_rank(strided, torch.zeros(4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="outside"):
+        _logprob_rank(torch.randn(2, 5), torch.tensor([0, 5]))
+    with pytest.raises(RuntimeError, match="int64"):
+        _logprob_rank(torch.randn(2, 5), torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        _logprob_rank(torch.randn(2, 5).double(), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="tokens must lie"):
+        token_logprob_rank(torch.randn(2, 5), torch.tensor([0, 5]))

@@ -768,6 +768,44 @@ def test_native_sampler_draws_from_the_engines_distribution(engines):
     assert set(drawn) <= set(top3) and len(set(drawn)) > 1
 
 
+@pytest.mark.parametrize("n_logprobs", [0, 3])
+def test_native_logprobs_equal_vllms(engines, monkeypatch, n_logprobs):
+    """The flashrl engines' rollout logprobs (processed_logprobs mode) come from token_logprob_rank and a top-N of
+    the processed logits, with no [rows, vocab] log_softmax (torch's profiler sees the one op and not the other);
+    tokens, logprobs and ranks equal vLLM's own path (sampler.native_logprobs = False) in the same engine, at a
+    temperature with top-k and with a greedy request in the batch. Without logprobs nothing is computed."""
+    from torch.profiler import profile
+
+    from flashrl_kernels.integrations.vllm import sampler
+
+    llm = engines("flashrl_int8")
+    params = [vllm.SamplingParams(max_tokens=10, temperature=0.0 if i == 3 else 0.8, top_k=0 if i % 2 else 40, seed=i,
+                                  logprobs=n_logprobs, ignore_eos=True) for i in range(len(PROMPTS))]
+    with profile() as prof:
+        fast = llm.generate(PROMPTS, params, use_tqdm=False)
+    ops = {e.key for e in prof.key_averages()}
+    assert "flashrl_native::token_logprob_rank" in ops and "aten::_log_softmax" not in ops
+    monkeypatch.setattr(sampler, "native_logprobs", False)
+    with profile() as prof:
+        slow = llm.generate(PROMPTS, params, use_tqdm=False)
+    ops = {e.key for e in prof.key_averages()}
+    assert "flashrl_native::token_logprob_rank" not in ops and "aten::_log_softmax" in ops
+    for a, b in zip(fast, slow):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert da.keys() == db.keys() and len(da) >= n_logprobs
+            for t in da:
+                assert da[t].rank == db[t].rank
+                assert abs(da[t].logprob - db[t].logprob) <= 1e-4, (t, da[t], db[t])
+    monkeypatch.setattr(sampler, "native_logprobs", True)
+    plain = [vllm.SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)] * 2
+    with profile() as prof:
+        out = llm.generate(PROMPTS[:2], plain, use_tqdm=False)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_log_softmax" not in ops and "flashrl_native::token_logprob_rank" not in ops
+    assert all(o.outputs[0].logprobs is None and len(o.outputs[0].token_ids) == 4 for o in out)
+
+
 @pytest.mark.parametrize("mode", ["0", "all"])
 def test_sampler_choice_follows_the_environment(ckpts, monkeypatch, mode):
     """FLASHRL_VLLM_SAMPLER, read when an engine builds its sampler: 0 keeps vLLM's in a flashrl engine, all puts
@@ -789,17 +827,20 @@ def test_sampler_patch_is_reversible(monkeypatch):
     """uninstall() gives vLLM its own TopKTopPSampler back; install() wraps it again. A sampler built outside an
     engine has no quantization: only FLASHRL_VLLM_SAMPLER=all gives it the native draw."""
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.sample.sampler import Sampler
 
     from flashrl_kernels.integrations.vllm import sampler
 
     sampler.install()
-    wrapped = TopKTopPSampler.__init__
+    wrapped, wrapped_sampler = TopKTopPSampler.__init__, Sampler.__init__
     monkeypatch.setenv("FLASHRL_VLLM_SAMPLER", "all")
     assert sampler.uses_flashrl_sampler(TopKTopPSampler("processed_logprobs"))
+    assert "forward" in vars(Sampler("processed_logprobs"))  # the step's logprobs hook, on the instance
     sampler.uninstall()
     try:
-        assert TopKTopPSampler.__init__ is wrapped.__wrapped__
+        assert TopKTopPSampler.__init__ is wrapped.__wrapped__ and Sampler.__init__ is wrapped_sampler.__wrapped__
         assert not sampler.uses_flashrl_sampler(TopKTopPSampler("processed_logprobs"))
+        assert "forward" not in vars(Sampler("processed_logprobs"))
     finally:
         sampler.install()
     assert sampler.uses_flashrl_sampler(TopKTopPSampler("processed_logprobs"))

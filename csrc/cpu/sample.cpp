@@ -12,6 +12,10 @@
 // and scanned in double. The e_k of a block come from one function in both passes, so the scan sees the values
 // whose sum picked the block; when rounding puts u S between the block's double and vector sums, the block's
 // last positive entry is taken (a shift of mass ~1e-7 of the block's, far below sampling noise).
+//
+// token_logprob_rank(logits, tokens): the sampled token's log-probability log softmax(x)_t and its rank
+// #{k : x_k >= x_t} (vLLM's rank: 1 for the likeliest), what a rollout with logprobs=0 returns, from two passes
+// over the row (its max and the count, then the exponential sums) instead of a [rows, vocab] log_softmax.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -24,6 +28,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace flashrl_native {
@@ -77,6 +84,35 @@ int64_t first_max(const T* x, int64_t v) {
   return best;
 }
 
+inline bool any_lane_set(const Vec& bits_vec) {
+  alignas(64) uint32_t bits[kW];
+  bits_vec.store(reinterpret_cast<float*>(bits));
+  bool any = false;
+  for (int64_t k = 0; k < kW; ++k) any = any || bits[k] != 0;
+  return any;
+}
+
+// sum of e_k = 2^(x_k c - mc) over the row, block by block (each block's sum into sums[b] when sums is given)
+template <typename T>
+double block_exp_sums(const T* x, int64_t v, const Vec& vc, const Vec& vmc, double* sums) {
+  alignas(64) float e[kBlock];
+  double total = 0.0;
+  for (int64_t b = 0; b * kBlock < v; ++b) {
+    const int64_t nv = block_exps(x + b * kBlock, std::min(kBlock, v - b * kBlock), vc, vmc, e);
+    Vec s0(0.f), s1(0.f);
+    int64_t k = 0;
+    for (; k + 2 * kW <= nv; k += 2 * kW) {
+      s0 = s0 + Vec::loadu(e + k);
+      s1 = s1 + Vec::loadu(e + k + kW);
+    }
+    if (k < nv) s0 = s0 + Vec::loadu(e + k);
+    const double block = lane_sum(s0 + s1);
+    if (sums) sums[b] = block;
+    total += block;
+  }
+  return total;
+}
+
 template <typename T>
 int64_t sample_row(const T* x, int64_t v, int64_t seed, std::vector<double>& block_sums) {
   // pass 1: the max, and whether the row holds a NaN
@@ -89,12 +125,7 @@ int64_t sample_row(const T* x, int64_t v, int64_t seed, std::vector<double>& blo
     nan_bits = nan_bits | (a != a) | (b != b);
   }
   float m = lane_max(plain_max(vmax0, vmax1));
-  bool nan = false;
-  {
-    alignas(64) uint32_t bits[kW];
-    nan_bits.store(reinterpret_cast<float*>(bits));
-    for (int64_t k = 0; k < kW; ++k) nan = nan || bits[k] != 0;
-  }
+  bool nan = any_lane_set(nan_bits);
   for (; i < v; ++i) {
     const float f = static_cast<float>(x[i]);
     nan = nan || std::isnan(f);
@@ -107,21 +138,7 @@ int64_t sample_row(const T* x, int64_t v, int64_t seed, std::vector<double>& blo
   const Vec vc(c), vmc(-(m * c));
   const int64_t nblocks = (v + kBlock - 1) / kBlock;
   block_sums.resize(nblocks);
-  alignas(64) float e[kBlock];
-  double total = 0.0;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t n = std::min(kBlock, v - b * kBlock);
-    const int64_t nv = block_exps(x + b * kBlock, n, vc, vmc, e);
-    Vec s0(0.f), s1(0.f);
-    int64_t k = 0;
-    for (; k + 2 * kW <= nv; k += 2 * kW) {
-      s0 = s0 + Vec::loadu(e + k);
-      s1 = s1 + Vec::loadu(e + k + kW);
-    }
-    if (k < nv) s0 = s0 + Vec::loadu(e + k);
-    block_sums[b] = lane_sum(s0 + s1);
-    total += block_sums[b];
-  }
+  const double total = block_exp_sums(x, v, vc, vmc, block_sums.data());
 
   // pass 3: the block where the running sum crosses u S, then the entry inside it
   const double target = uniform01(seed) * total;
@@ -129,6 +146,7 @@ int64_t sample_row(const T* x, int64_t v, int64_t seed, std::vector<double>& blo
   int64_t b = 0;
   for (; b + 1 < nblocks && before + block_sums[b] <= target; ++b) before += block_sums[b];
   const int64_t n = std::min(kBlock, v - b * kBlock);
+  alignas(64) float e[kBlock];
   block_exps(x + b * kBlock, n, vc, vmc, e);
   double run = before;
   int64_t last_positive = -1;
@@ -141,6 +159,70 @@ int64_t sample_row(const T* x, int64_t v, int64_t seed, std::vector<double>& blo
   }
   if (last_positive >= 0) return b * kBlock + last_positive;
   return first_max(x, v);  // unreachable for a finite max: its own block holds an e_k of ~1
+}
+
+// log softmax(x)_t (double accumulation) and #{k : x_k >= x_t}; NaN (and the count) for a row with a NaN or
+// without a finite max
+template <typename T>
+std::pair<float, int64_t> logprob_rank_row(const T* x, int64_t v, int64_t t) {
+  const float xt = static_cast<float>(x[t]);
+  const Vec vt(xt), one(1.f);
+  Vec vmax(kNegInf), count(0.f), nan_bits(0.f);
+  int64_t i = 0;
+  for (; i + kW <= v; i += kW) {
+    const Vec a = load_f32(x + i);
+    vmax = plain_max(vmax, a);
+    count = count + ((a >= vt) & one);  // exact: a lane counts at most v / kW < 2^24
+    nan_bits = nan_bits | (a != a);
+  }
+  float m = lane_max(vmax);
+  double n = lane_sum(count);
+  bool nan = any_lane_set(nan_bits);
+  for (; i < v; ++i) {
+    const float f = static_cast<float>(x[i]);
+    nan = nan || std::isnan(f);
+    m = std::max(m, f);
+    n += f >= xt ? 1.0 : 0.0;
+  }
+  const int64_t rank = static_cast<int64_t>(n);
+  if (nan || !std::isfinite(m)) return {std::numeric_limits<float>::quiet_NaN(), rank};
+  const double total = block_exp_sums(x, v, Vec(kLog2e), Vec(-(m * kLog2e)), nullptr);
+  return {static_cast<float>((static_cast<double>(xt) - m) - std::log(total)), rank};
+}
+
+std::tuple<at::Tensor, at::Tensor> token_logprob_rank(const at::Tensor& logits, const at::Tensor& tokens) {
+  TORCH_CHECK(logits.dim() == 2, "token_logprob_rank: logits must be [rows, vocab], got ", logits.dim(), " dims");
+  TORCH_CHECK(logits.device().is_cpu() && tokens.device().is_cpu(), "token_logprob_rank: CPU tensors only");
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "token_logprob_rank: logits must be float32, bfloat16 or float16, got ", dt);
+  const int64_t rows = logits.size(0), v = logits.size(1);
+  TORCH_CHECK(v > 0, "token_logprob_rank: empty vocabulary");
+  TORCH_CHECK(logits.stride(1) == 1 || v == 1, "token_logprob_rank: logits must have unit stride along the vocabulary");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.size(0) == rows,
+              "token_logprob_rank: tokens must be an int64 vector with one entry per row");
+  const at::Tensor tok = tokens.contiguous();
+  const int64_t* tp = tok.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(tp[r] >= 0 && tp[r] < v, "token_logprob_rank: token ", tp[r], " of row ", r, " is outside [0, ", v, ")");
+  at::Tensor lp = at::empty({rows}, logits.options().dtype(at::kFloat));
+  at::Tensor rank = at::empty({rows}, logits.options().dtype(at::kLong));
+  float* lpp = lp.data_ptr<float>();
+  int64_t* rp = rank.data_ptr<int64_t>();
+  const int64_t stride = logits.stride(0);
+  auto run = [&](auto* base) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) std::tie(lpp[r], rp[r]) = logprob_rank_row(base + r * stride, v, tp[r]);
+    });
+  };
+  if (dt == at::kFloat) {
+    run(logits.const_data_ptr<float>());
+  } else if (dt == at::kBFloat16) {
+    run(logits.const_data_ptr<c10::BFloat16>());
+  } else {
+    run(logits.const_data_ptr<c10::Half>());
+  }
+  return {lp, rank};
 }
 
 at::Tensor sample_categorical(const at::Tensor& logits, const at::Tensor& seeds) {
@@ -176,8 +258,14 @@ at::Tensor sample_categorical(const at::Tensor& logits, const at::Tensor& seeds)
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(flashrl_native, m) { m.def("sample_categorical(Tensor logits, Tensor seeds) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(flashrl_native, m) {
+  m.def("sample_categorical(Tensor logits, Tensor seeds) -> Tensor");
+  m.def("token_logprob_rank(Tensor logits, Tensor tokens) -> (Tensor, Tensor)");
+}
 
-TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) { m.impl("sample_categorical", &sample_categorical); }
+TORCH_LIBRARY_IMPL(flashrl_native, CPU, m) {
+  m.impl("sample_categorical", &sample_categorical);
+  m.impl("token_logprob_rank", &token_logprob_rank);
+}
 
 }  // namespace flashrl_native

@@ -58,6 +58,8 @@ sampling seed, so all engines sample from comparable sequences):
   decode8    8 prompts of 16 tokens x 128 new tokens, temperature 1.0, ignore_eos   (quick: 16 new tokens)
   decode32   32 prompts of 16 tokens x 128 new tokens, the same sampling             (quick: 16 new tokens)
   prefill    8 prompts of 512 tokens, 1 new token                                  (quick: 8 x 64)
+  rollout8   rollout32   decode8 / decode32 with logprobs=0: the sampled token's log-probability, what an RL
+             rollout asks for TIS (opt-in)
 --quick runs decode8 and prefill unless --cases names others.
 Per engine: one untimed warm-up generate per case (its prompts, 2 new tokens), then `--repeats`
 timed `generate` calls per case (default 3), each the whole batch submitted at once; the median wall time is
@@ -132,7 +134,8 @@ FLASHRL_VARIANTS = {"flashrl_int8": ("flashrl_int8", {}), "flashrl_fp8": ("flash
 # engines built under another FLASHRL_VLLM_SAMPLER than the process's (integrations/vllm/sampler.py)
 SAMPLER_OVERRIDES = {"flashrl_int8_vllm_sampler": "0", "flashrl_fp8_vllm_sampler": "0"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype; fp8 on CPU needs AVX-512 / AMX
-CASES = ("decode8", "decode32", "prefill")
+CASES = ("decode8", "decode32", "prefill", "rollout8", "rollout32")
+DEFAULT_CASES = ("decode8", "decode32", "prefill")
 QUICK_CASES = ("decode8", "prefill")  # --quick runs these unless --cases says otherwise
 DEFAULT_LAYERS, DEFAULT_HIDDEN, QUICK_LAYERS, QUICK_HIDDEN = 24, 896, 2, 128
 PROMPT_SEED, SAMPLE_SEED = 1234, 10_000
@@ -151,6 +154,7 @@ class CaseSpec:
     n_prompts: int
     prompt_len: int
     max_tokens: int
+    logprobs: int | None = None  # SamplingParams.logprobs of each request
 
     @property
     def is_prefill(self) -> bool:
@@ -163,6 +167,8 @@ def case_specs(quick: bool) -> dict[str, CaseSpec]:
         "decode8": CaseSpec("decode8", 8, 16, new),
         "decode32": CaseSpec("decode32", 32, 16, new),
         "prefill": CaseSpec("prefill", 8, 64 if quick else 512, 1),
+        "rollout8": CaseSpec("rollout8", 8, 16, new, logprobs=0),
+        "rollout32": CaseSpec("rollout32", 32, 16, new, logprobs=0),
     }
 
 
@@ -376,7 +382,8 @@ def _generate(llm, prompts, spec: CaseSpec, max_tokens: int | None = None):
     # for a seeded request whose prompt is prefilled in chunks (long prompts), and a prefill's one token is not scored
     seeded = not spec.is_prefill
     sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens or spec.max_tokens, ignore_eos=True,
-                          seed=SAMPLE_SEED + i if seeded else None, detokenize=False) for i in range(len(prompts))]
+                          seed=SAMPLE_SEED + i if seeded else None, detokenize=False, logprobs=spec.logprobs)
+           for i in range(len(prompts))]
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
 
 
@@ -415,7 +422,7 @@ def run(args) -> tuple[dict, list[Row]]:
     hidden = args.hidden if getattr(args, "hidden", None) is not None else (QUICK_HIDDEN if quick else DEFAULT_HIDDEN)
     repeats = getattr(args, "repeats", None) or 3
     engines = _split(getattr(args, "engines", None), ENGINES, "--engines", default=DEFAULT_ENGINES)
-    names = _split(getattr(args, "cases", None), CASES, "--cases", default=QUICK_CASES if quick else CASES)
+    names = _split(getattr(args, "cases", None), CASES, "--cases", default=QUICK_CASES if quick else DEFAULT_CASES)
     eager = bool(getattr(args, "eager", False))
     quant_options = getattr(args, "quant_options", None)
     interleave = getattr(args, "interleave", None)

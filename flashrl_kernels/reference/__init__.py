@@ -5,7 +5,7 @@ from .linear_policy_loss import linear_policy_loss_forward
 from .logprobs import token_logprobs_backward, token_logprobs_forward, token_logprobs_spec
 from .policy_loss import policy_loss_backward, policy_loss_forward, policy_loss_spec
 from .quantize import dequantize_rows_forward, quantize_rows_forward, quantize_rows_spec, scaled_linear_forward
-from .sampling import sample_categorical
+from .sampling import sample_categorical, token_logprob_rank
 from .value_loss import value_loss_backward, value_loss_forward, value_loss_spec
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "quantize_rows_spec",
     "sample_categorical",
     "scaled_linear_forward",
+    "token_logprob_rank",
     "token_logprobs_backward",
     "token_logprobs_forward",
     "token_logprobs_spec",

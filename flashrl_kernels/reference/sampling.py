@@ -7,12 +7,16 @@ One token per row drawn from softmax(logits) by inverting the row's CDF with one
 
 Entries of -inf (top-k / top-p masks) have e_k = 0 and are never drawn. A row holding a NaN, or whose maximum is not
 finite (all -inf, or a +inf entry), returns the first maximum of its non-NaN entries (0 if it has none).
+
+`token_logprob_rank` is what the engines return for a sampled token with logprobs=0: log softmax(x)_t and the rank
+#{k : x_k >= x_t} (vLLM counts on its float32 log-probabilities, which can only merge entries that differ by less
+than their rounding).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["sample_categorical", "splitmix64", "uniform01"]
+__all__ = ["sample_categorical", "splitmix64", "token_logprob_rank", "uniform01"]
 
 _M64 = (1 << 64) - 1
 
@@ -56,3 +60,22 @@ def sample_categorical(logits: torch.Tensor, seeds: torch.Tensor) -> torch.Tenso
         target = uniform01(int(seeds[r])) * float(cum[-1])
         out[r] = int(torch.searchsorted(cum, torch.tensor([target], dtype=torch.float64), right=True)[0])
     return out
+
+
+def token_logprob_rank(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 [rows], int64 [rows]): log softmax(logits)[r, tokens[r]] and #{k : logits[r, k] >= logits[r, tokens[r]]};
+    NaN log-probability for a row with a NaN or without a finite maximum."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+    if tokens.dtype != torch.int64 or tokens.shape != (logits.shape[0],):
+        raise ValueError(f"tokens must be int64 [rows={logits.shape[0]}], got {tokens.dtype} {tuple(tokens.shape)}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[1]):
+        raise ValueError(f"tokens must lie in [0, {logits.shape[1]})")
+    x = logits.detach().to(device="cpu", dtype=torch.float64)
+    xt = x.gather(1, tokens[:, None].cpu())
+    rank = (x >= xt).sum(1)
+    m = x.max(1).values
+    bad = torch.isnan(x).any(1) | ~torch.isfinite(m)
+    lse = m + torch.log(torch.exp(x - m[:, None]).sum(1))
+    lp = torch.where(bad, torch.full_like(m, float("nan")), xt[:, 0] - lse)
+    return lp, rank

@@ -9,6 +9,12 @@ from the same distribution by inverting each row's CDF: one exponential per entr
 and the logprobs modes are vLLM's own (this replaces only the final draw); seeded requests stay reproducible,
 with another stream than vLLM's sampler.
 
+The same engines return the sampled token's log-probability (logprobs_mode="processed_logprobs", what TIS needs)
+without the [rows, vocab] log_softmax vLLM computes for it at every step, requested or not: nothing when no request
+of the step asks for logprobs, and for logprobs=N the token's log-probability and rank from
+`flashrl_native::token_logprob_rank` (two passes over the processed logits) plus torch.topk for the N best. Steps
+that ask for the whole distribution (logprobs=-1) or for given token ids keep vLLM's path.
+
 Which engines get it, read when an engine builds its sampler (`FLASHRL_VLLM_SAMPLER`):
   auto (default)  engines with `quantization="flashrl_int8"` / `"flashrl_fp8"`; other engines keep vLLM's
   all             every CPU engine of a process where the plugin is registered (bf16 too)
@@ -17,6 +23,7 @@ Installed by the plugin's `register()` in every vLLM process; `uninstall()` rest
 """
 from __future__ import annotations
 
+import functools
 import os
 import types
 
@@ -27,6 +34,8 @@ __all__ = ["install", "sampler_mode", "selected_for", "uninstall", "uses_flashrl
 _FLASHRL_QUANT = ("flashrl_int8", "flashrl_fp8")
 _MODES = ("auto", "all", "0")
 _original_init = None
+_original_sampler_init = None
+native_logprobs = True  # False: the flashrl engines' samplers leave the logprobs to vLLM (an A/B switch)
 
 
 def sampler_mode() -> str:
@@ -76,13 +85,49 @@ def _forward_cpu(self, logits: torch.Tensor, generators: dict, k, p):
     if self.logprobs_mode == "processed_logits":
         logits_to_return = logits
     elif self.logprobs_mode == "processed_logprobs":
-        logits_to_return = logits.log_softmax(dim=-1, dtype=torch.float32)
+        want = getattr(self, "_flashrl_logprobs", "full")  # set for this step by _sampler_forward
+        if want == "gather":  # _gather_logprobs recognizes these logits and reads the token's logprob from them
+            logits_to_return = self._flashrl_gather_from = logits
+        elif want == "full":
+            logits_to_return = logits.log_softmax(dim=-1, dtype=torch.float32)
     seeds = _random_seeds(logits.shape[0])
     for i, gen in generators.items():
         seeds[i] = _random_seeds(1, gen)[0]
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     return torch.ops.flashrl_native.sample_categorical(logits, seeds), logits_to_return
+
+
+def _sampler_forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+    """vLLM's Sampler.forward, told which processed logprobs this step needs: none (no request asks), the sampled
+    and top-N tokens' (gathered by _gather_logprobs), or vLLM's full tensor (logprobs=-1, logprob_token_ids)."""
+    tks = self.topk_topp_sampler
+    n = sampling_metadata.max_num_logprobs
+    if (native_logprobs and tks.logprobs_mode == "processed_logprobs"
+            and not getattr(sampling_metadata, "logprob_token_ids", None) and (n is None or n >= 0)):
+        tks._flashrl_logprobs = "none" if n is None else "gather"
+    try:
+        return type(self).forward(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+    finally:
+        tks._flashrl_logprobs = "full"
+        tks._flashrl_gather_from = None
+
+
+def _gather_logprobs(sampler, logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor):
+    """vLLM's Sampler.gather_logprobs; on the processed logits _forward_cpu handed out instead of their
+    log_softmax, the same LogprobsTensors from token_logprob_rank and a top-N of the logits."""
+    src = getattr(sampler.topk_topp_sampler, "_flashrl_gather_from", None)
+    if src is None or logprobs is not src:
+        return type(sampler).gather_logprobs(logprobs, num_logprobs, token_ids)
+    from vllm.v1.outputs import LogprobsTensors
+
+    x = src if src.stride(-1) == 1 else src.contiguous()
+    token_lp, ranks = torch.ops.flashrl_native.token_logprob_rank(x, token_ids)
+    top, top_ids = torch.topk(x, num_logprobs, dim=-1)
+    if num_logprobs > 0:
+        top = top - (x.gather(-1, token_ids[:, None]) - token_lp[:, None])  # minus the row's log-sum-exp
+    indices = torch.cat((token_ids[:, None], top_ids), dim=1).to(torch.int32)
+    return LogprobsTensors(indices, torch.cat((token_lp[:, None], top), dim=1), ranks)
 
 
 def uses_flashrl_sampler(sampler) -> bool:
@@ -117,15 +162,45 @@ def install() -> bool:
     __init__.__wrapped__ = original
     cls.__init__ = __init__
     _original_init = original
+    _install_sampler_hooks()
     return True
 
 
+def _install_sampler_hooks() -> None:
+    """Wrap vLLM's Sampler.__init__: a Sampler whose TopKTopPSampler draws natively also gets _sampler_forward
+    and _gather_logprobs (instance attributes; the class stays vLLM's)."""
+    global _original_sampler_init
+    try:
+        from vllm.v1.sample.sampler import Sampler
+    except ImportError:
+        return
+    if not (hasattr(Sampler, "gather_logprobs") and hasattr(Sampler, "forward")):
+        return
+    original = Sampler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if uses_flashrl_sampler(getattr(self, "topk_topp_sampler", None)):
+            self.forward = types.MethodType(_sampler_forward, self)
+            self.gather_logprobs = functools.partial(_gather_logprobs, self)
+
+    __init__.__wrapped__ = original
+    Sampler.__init__ = __init__
+    _original_sampler_init = original
+
+
 def uninstall() -> None:
-    """Restore vLLM's TopKTopPSampler.__init__ (samplers built before keep what they drew with)."""
-    global _original_init
+    """Restore vLLM's TopKTopPSampler.__init__ and Sampler.__init__ (samplers built before keep what they drew
+    with)."""
+    global _original_init, _original_sampler_init
     if _original_init is None:
         return
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     TopKTopPSampler.__init__ = _original_init
     _original_init = None
+    if _original_sampler_init is not None:
+        from vllm.v1.sample.sampler import Sampler
+
+        Sampler.__init__ = _original_sampler_init
+        _original_sampler_init = None

@@ -21,7 +21,8 @@
 //                              into fp32 accumulators; M <= 8 widens in registers inside the dot-product loop
 //                              (drive_decode_bf16), larger M once per block of 4 rows into a per-thread scratch.
 //   weight-only otherwise:     weights widened to fp32, FMA into fp32 accumulators (AVX-512 or AVX2).
-//   bf16_linear:               the same bf16 tiles on a plain bf16 weight's own rows (a model-dtype LM head).
+//   bf16_linear:               the same bf16 tiles on a plain bf16 weight's own rows (a model-dtype LM head); AVX2
+//                              builds: lane-pair fp32 tiles (avx2_pair_rows.h).
 //   bf16 x on AMX-BF16 CPUs, weight-only and bf16_linear alike: AMX-BF16 tiles driven here on the rows
 //   (drive_amx_rows; FLASHRL_NATIVE_AMX_BF16_MIN_M / _AMX_HEAD_MIN_M, default 1 / 5 tokens); where it is off or
 //   refuses the shape, from FLASHRL_NATIVE_BF16_BRGEMM_MIN_M tokens (default 1 on AMX-BF16 CPUs, 128 on AVX-512

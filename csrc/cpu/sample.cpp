@@ -190,15 +190,38 @@ std::pair<float, int64_t> logprob_rank_row(const T* x, int64_t v, int64_t t) {
   return {static_cast<float>((static_cast<double>(xt) - m) - std::log(total)), rank};
 }
 
-std::tuple<at::Tensor, at::Tensor> token_logprob_rank(const at::Tensor& logits, const at::Tensor& tokens) {
-  TORCH_CHECK(logits.dim() == 2, "token_logprob_rank: logits must be [rows, vocab], got ", logits.dim(), " dims");
-  TORCH_CHECK(logits.device().is_cpu() && tokens.device().is_cpu(), "token_logprob_rank: CPU tensors only");
+// the checks both ops make of their logits [rows, vocab]
+void check_logits(const at::Tensor& logits, const at::Tensor& other, const char* op) {
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must be [rows, vocab], got ", logits.dim(), " dims");
+  TORCH_CHECK(logits.device().is_cpu() && other.device().is_cpu(), op, ": CPU tensors only");
   const auto dt = logits.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "token_logprob_rank: logits must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
+              ": logits must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK(logits.size(1) > 0, op, ": empty vocabulary");
+  TORCH_CHECK(logits.stride(1) == 1 || logits.size(1) == 1, op, ": logits must have unit stride along the vocabulary");
+}
+
+// fn(row pointer, r) for every row, in parallel, with the row pointer typed as the logits' dtype
+template <typename Fn>
+void for_each_row(const at::Tensor& logits, Fn&& fn) {
+  const int64_t stride = logits.stride(0);
+  auto run = [&](auto* base) {
+    at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) fn(base + r * stride, r);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) {
+    run(logits.const_data_ptr<float>());
+  } else if (logits.scalar_type() == at::kBFloat16) {
+    run(logits.const_data_ptr<c10::BFloat16>());
+  } else {
+    run(logits.const_data_ptr<c10::Half>());
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> token_logprob_rank(const at::Tensor& logits, const at::Tensor& tokens) {
+  check_logits(logits, tokens, "token_logprob_rank");
   const int64_t rows = logits.size(0), v = logits.size(1);
-  TORCH_CHECK(v > 0, "token_logprob_rank: empty vocabulary");
-  TORCH_CHECK(logits.stride(1) == 1 || v == 1, "token_logprob_rank: logits must have unit stride along the vocabulary");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.size(0) == rows,
               "token_logprob_rank: tokens must be an int64 vector with one entry per row");
   const at::Tensor tok = tokens.contiguous();
@@ -209,50 +232,22 @@ std::tuple<at::Tensor, at::Tensor> token_logprob_rank(const at::Tensor& logits, 
   at::Tensor rank = at::empty({rows}, logits.options().dtype(at::kLong));
   float* lpp = lp.data_ptr<float>();
   int64_t* rp = rank.data_ptr<int64_t>();
-  const int64_t stride = logits.stride(0);
-  auto run = [&](auto* base) {
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) std::tie(lpp[r], rp[r]) = logprob_rank_row(base + r * stride, v, tp[r]);
-    });
-  };
-  if (dt == at::kFloat) {
-    run(logits.const_data_ptr<float>());
-  } else if (dt == at::kBFloat16) {
-    run(logits.const_data_ptr<c10::BFloat16>());
-  } else {
-    run(logits.const_data_ptr<c10::Half>());
-  }
+  for_each_row(logits, [&](const auto* row, int64_t r) { std::tie(lpp[r], rp[r]) = logprob_rank_row(row, v, tp[r]); });
   return {lp, rank};
 }
 
 at::Tensor sample_categorical(const at::Tensor& logits, const at::Tensor& seeds) {
-  TORCH_CHECK(logits.dim() == 2, "sample_categorical: logits must be [rows, vocab], got ", logits.dim(), " dims");
-  TORCH_CHECK(logits.device().is_cpu() && seeds.device().is_cpu(), "sample_categorical: CPU tensors only");
-  const auto dt = logits.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "sample_categorical: logits must be float32, bfloat16 or float16, got ", dt);
+  check_logits(logits, seeds, "sample_categorical");
   const int64_t rows = logits.size(0), v = logits.size(1);
-  TORCH_CHECK(v > 0, "sample_categorical: empty vocabulary");
-  TORCH_CHECK(logits.stride(1) == 1 || v == 1, "sample_categorical: logits must have unit stride along the vocabulary");
   TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 1 && seeds.size(0) == rows && seeds.is_contiguous(),
               "sample_categorical: seeds must be a contiguous int64 vector with one entry per row");
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t* s = seeds.const_data_ptr<int64_t>();
-  const int64_t stride = logits.stride(0);
-  auto run = [&](auto* base) {
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<double> block_sums;
-      for (int64_t r = begin; r < end; ++r) o[r] = sample_row(base + r * stride, v, s[r], block_sums);
-    });
-  };
-  if (dt == at::kFloat) {
-    run(logits.const_data_ptr<float>());
-  } else if (dt == at::kBFloat16) {
-    run(logits.const_data_ptr<c10::BFloat16>());
-  } else {
-    run(logits.const_data_ptr<c10::Half>());
-  }
+  for_each_row(logits, [&](const auto* row, int64_t r) {
+    static thread_local std::vector<double> block_sums;
+    o[r] = sample_row(row, v, s[r], block_sums);
+  });
   return out;
 }
 

@@ -247,37 +247,6 @@ def test_bf16_linear_fp32_tiles_switch(tmp_path):
         assert not torch.equal(outs["0"], outs["1"])
 
 
-def test_weight_only_wide_panels_are_bit_identical(tmp_path):
-    """AVX2 weight-only calls from 8 tokens run 8 x 1 tiles over row panels (drive_wide_panels): the same sums in
-    the same lane order as the 4 x 2 tiles (FLASHRL_NATIVE_AVX2_WIDE_MIN_M=0), so bit-identical outputs, for every
-    token remainder and row count off the 64-row panels."""
-    import os
-    import subprocess
-    import sys
-
-    if not _caps()["vector"]:
-        pytest.skip("portable build")
-    script = (
-        "import sys, torch\n"
-        "import flashrl_kernels as fk\n"
-        "g = torch.Generator().manual_seed(9)\n"
-        "outs = []\n"
-        "for qd in (torch.int8, torch.float8_e4m3fn):\n"
-        "    for m, n, k in ((8, 67, 896), (9, 130, 100), (15, 64, 33), (23, 200, 896), (70, 65, 4864)):\n"
-        "        q, s = fk.quantize_rows(torch.randn(n, k, generator=g), qd)\n"
-        "        x, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g)\n"
-        "        outs.append(torch.ops.flashrl_native.qlinear(x, q, s, b, False))\n"
-        "torch.save(outs, sys.argv[1])\n")
-    outs = {}
-    for flag in ("0", "8"):
-        path = tmp_path / f"wide{flag}.pt"
-        r = subprocess.run([sys.executable, "-c", script, str(path)], check=False, capture_output=True, text=True,
-                           env={**os.environ, "FLASHRL_NATIVE_AVX2_WIDE_MIN_M": flag}, timeout=600)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        outs[flag] = torch.load(path)
-    assert len(outs["0"]) == 10 and all(torch.equal(a, b) for a, b in zip(outs["0"], outs["8"]))
-
-
 _BRGEMM_ROWS_SCRIPT = r"""
 import sys, torch
 import flashrl_kernels as fk

@@ -10,8 +10,9 @@
 // from L1 as FMA operands). The rows are walked in panels of kPairPanelRows: every token tile of the call runs
 // over a panel before the next panel, so the panel's rows come from memory once (the first token tile, which
 // prefetches ahead) and from L2 after that, and 8 tokens' fp32 rows (K = 896: 28 KiB) stay in L1.
-// Measured on the Zen 3 VM (2 threads, the 151936 x 896 head): 8 tokens 1.4-1.6x faster than the 4 x 2 fp32
-// tiles on vpmovzxwd-widened rows, 16-32 tokens ~1.5x (docs/native.md, "The bf16 head on AVX2").
+// Measured on the Zen 3 VM (2 threads, the 151936 x 896 head, alternated call by call with the 4 x 2 fp32 tiles
+// on vpmovzxwd-widened rows): 0.69x their time at 8 tokens, 0.77-0.91x at 4-256 (docs/native.md, "The bf16 head
+// on AVX2").
 #pragma once
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -22,12 +23,31 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace flashrl_native {
 namespace avx2_pair_rows {
 
-constexpr int64_t kPairPanelRows = 64;  // 112 KiB of rows at K = 896: in L2 while the token tiles pass over them
+constexpr int64_t kPairPanelRows = 64;  // 112 KiB of bf16 rows at K = 896: in L2 while the token tiles pass over them
 constexpr int64_t kPairPrefetchRows = 4;
+
+// rows [0, N) in panels of kPairPanelRows, in parallel; in each panel the tokens [0, M) in tiles of 8, then one of
+// 4, 2 and 1 for what is left: pass(std::integral_constant<int, MT>, m0, n0, n1) (m0 == 0: the tile that reads the
+// panel from memory)
+template <typename Pass>
+void walk_panels(int64_t M, int64_t N, Pass&& pass) {
+  const int64_t panels = (N + kPairPanelRows - 1) / kPairPanelRows;
+  at::parallel_for(0, panels, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kPairPanelRows, n1 = std::min(N, n0 + kPairPanelRows);
+      int64_t m0 = 0;
+      for (; m0 + 8 <= M; m0 += 8) pass(std::integral_constant<int, 8>{}, m0, n0, n1);
+      if (M - m0 >= 4) pass(std::integral_constant<int, 4>{}, m0, n0, n1), m0 += 4;
+      if (M - m0 >= 2) pass(std::integral_constant<int, 2>{}, m0, n0, n1), m0 += 2;
+      if (M - m0 >= 1) pass(std::integral_constant<int, 1>{}, m0, n0, n1);
+    }
+  });
+}
 
 // x [M, K] (bf16, rows ldx apart) to fp32 in pair order: dst[m * K + 16 b + i] = x[m, 16 b + 2 i] and
 // dst[m * K + 16 b + 8 + i] = x[m, 16 b + 2 i + 1] (i < 8). K % 16 == 0.
@@ -115,22 +135,10 @@ template <typename Emit>
 void run(const c10::BFloat16* x, int64_t ldx, int64_t M, int64_t K, const c10::BFloat16* w, int64_t ldw, int64_t N,
          float* xp, Emit&& emit) {
   tokens_in_pair_order(x, ldx, M, K, xp);
-  const int64_t panels = (N + kPairPanelRows - 1) / kPairPanelRows;
-  at::parallel_for(0, panels, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kPairPanelRows, n1 = std::min(N, n0 + kPairPanelRows);
-      int64_t m0 = 0;
-      for (; m0 + 8 <= M; m0 += 8) pass_rows<8, 1>(xp, K, m0, w, ldw, n0, n1, m0 == 0, emit);
-      if (M - m0 >= 4) {
-        pass_rows<4, 2>(xp, K, m0, w, ldw, n0, n1, m0 == 0, emit);
-        m0 += 4;
-      }
-      if (M - m0 >= 2) {
-        pass_rows<2, 4>(xp, K, m0, w, ldw, n0, n1, m0 == 0, emit);
-        m0 += 2;
-      }
-      if (M - m0 >= 1) pass_rows<1, 4>(xp, K, m0, w, ldw, n0, n1, m0 == 0, emit);
-    }
+  walk_panels(M, N, [&](auto MT, int64_t m0, int64_t n0, int64_t n1) {
+    constexpr int mt = decltype(MT)::value;
+    constexpr int nb = mt == 8 ? 1 : mt == 4 ? 2 : 4;  // at most 8 accumulators
+    pass_rows<mt, nb>(xp, K, m0, w, ldw, n0, n1, m0 == 0, emit);
   });
 }
 

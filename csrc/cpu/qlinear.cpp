@@ -431,40 +431,6 @@ void drive_pairs(int64_t M, int64_t N, int64_t pf_bytes, Kernel&& kernel, Emit&&
   }, emit);
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
-// Weight-only calls of 8 tokens and more on AVX2: tiles of 8 tokens x 1 row (kernel(8, 1, ...)), each widened
-// weight vector feeding 8 FMAs where the 4 x 2 tiles of drive_pairs widen every row once per 4 tokens, over panels
-// of kWidePanelRows rows; every token tile passes over a panel before the next panel, so its rows come from memory
-// once (the first tile prefetches) and from L2 after that, and 8 tokens' fp32 rows stay in L1. The tokens left
-// over take 4 / 2 / 1 x 1 tiles. The lanes sum along K in the same order as every other tile: bit-identical.
-constexpr int64_t kWidePanelRows = 64;
-template <typename Kernel, typename Emit>
-void drive_wide_panels(int64_t M, int64_t N, int64_t pf_bytes, Kernel&& kernel, Emit&& emit) {
-  const int64_t panels = (N + kWidePanelRows - 1) / kWidePanelRows;
-  at::parallel_for(0, panels, 4, [&](int64_t b0, int64_t b1) {
-    float dots[8];
-    auto pass = [&](auto MT, int64_t m0, int64_t n0, int64_t n1) {
-      constexpr int mt = decltype(MT)::value;
-      for (int64_t n = n0; n < n1; ++n) {
-        kernel(MT, std::integral_constant<int, 1>{}, m0, n, dots, m0 == 0 ? pf_bytes : 0);
-        for (int m = 0; m < mt; ++m) emit(m0 + m, n, dots[m]);
-      }
-    };
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kWidePanelRows, n1 = std::min(N, n0 + kWidePanelRows);
-      int64_t m0 = 0;
-      for (; m0 + 8 <= M; m0 += 8) pass(std::integral_constant<int, 8>{}, m0, n0, n1);
-      if (M - m0 >= 4) pass(std::integral_constant<int, 4>{}, m0, n0, n1), m0 += 4;
-      if (M - m0 >= 2) pass(std::integral_constant<int, 2>{}, m0, n0, n1), m0 += 2;
-      if (M - m0 >= 1) pass(std::integral_constant<int, 1>{}, m0, n0, n1);
-    }
-  });
-}
-// tokens from which AVX2 weight-only calls (FP8, weight-only INT8) run drive_wide_panels (FLASHRL_NATIVE_AVX2_WIDE_MIN_M;
-// 0: never): docs/native.md, "The bf16 head on AVX2"
-constexpr int64_t kAvx2WideMinM = 8;
-#endif
-
 template <typename Out>
 struct Writer {
   Out* y;
@@ -503,18 +469,9 @@ void run_weight_only(const at::Tensor& x, const Q* w, int64_t ldw, int64_t N, co
   }
   const int64_t ldx = x.scalar_type() == at::kFloat ? x.stride(0) : K;
   const int64_t pf_bytes = kPrefetchBlocks * 2 * ldw * int64_t{sizeof(Q)};
-  auto kernel = [&](auto MT, auto NB, int64_t m0, int64_t n0, float* out, int64_t pf) {
+  drive_pairs(M, N, pf_bytes, [&](auto MT, auto NB, int64_t m0, int64_t n0, float* out, int64_t pf) {
     fma_block<decltype(MT)::value, decltype(NB)::value>(xf + m0 * ldx, ldx, w + n0 * ldw, ldw, K, out, pf);
-  };
-#if defined(CPU_CAPABILITY_AVX2)
-  static const int64_t wide_min_m = env_int("FLASHRL_NATIVE_AVX2_WIDE_MIN_M", kAvx2WideMinM);
-  const int64_t wide_from = dispatch_int("FLASHRL_NATIVE_AVX2_WIDE_MIN_M", wide_min_m);
-  if (!std::is_same_v<Q, c10::BFloat16> && wide_from > 0 && M >= wide_from) {  // (bf16 rows: avx2_pair_rows.h)
-    drive_wide_panels(M, N, pf_bytes, kernel, emit);
-    return;
-  }
-#endif
-  drive_pairs(M, N, pf_bytes, kernel, emit);
+  }, emit);
 }
 #endif
 

@@ -163,9 +163,9 @@ def _compiler() -> str | None:
     return None
 
 
-def _capability_flags() -> tuple[str, list[str]]:
-    """The CPU capability torch dispatches to here, and the flags that build ATen's Vectorized for it."""
-    cap = torch.backends.cpu.get_cpu_capability()
+def _capability_flags(cap: str | None = None) -> tuple[str, list[str]]:
+    """The CPU capability torch dispatches to here (or `cap`), and the flags that build ATen's Vectorized for it."""
+    cap = (cap or torch.backends.cpu.get_cpu_capability()).upper()
     if platform.machine() in ("x86_64", "AMD64"):
         if cap.startswith("AVX512"):
             return "AVX512", ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
@@ -186,10 +186,10 @@ def _openmp_flags() -> list[str]:
     return []
 
 
-def _compile_flags() -> list[str]:
+def _compile_flags(cap: str | None = None) -> list[str]:
     from torch.utils import cpp_extension
 
-    _, cap_flags = _capability_flags()
+    _, cap_flags = _capability_flags(cap)
     flags = ["-O3", "-std=c++20", "-fPIC", "-DNDEBUG", "-w",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *cap_flags, *_openmp_flags()]
     return flags + [f"-I{cpp_extension.include_paths()[0]}"]
@@ -229,34 +229,59 @@ def _build_key(cxx: str, srcs: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def _compile_objects(cxx: str, srcs: list[Path], objs: list[Path], flags: list[str]) -> None:
+    """One object per source, as many compilers at once as this machine has cores; the first failure raises."""
+    jobs = max(1, min(len(srcs), os.cpu_count() or 1))
+    pending = list(zip(srcs, objs))
+    running: list[tuple[Path, subprocess.Popen]] = []
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                s, o = pending.pop(0)
+                cmd = [cxx, "-c", *flags, str(s), "-o", str(o)]
+                running.append((s, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+            s, p = running.pop(0)
+            out, _ = p.communicate()
+            if p.returncode != 0:
+                raise RuntimeError(f"compiling {s.name} failed:\n{_tail(out)}")
+    finally:
+        for _, p in running:
+            p.kill()
+            p.wait()
+
+
 def _compile(cxx: str, srcs: list[Path], target: Path) -> None:
     """Compile the sources into `target`: one object per source, in parallel, then one link."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objs = [Path(tmp) / f"{i}_{s.stem}.o" for i, s in enumerate(srcs)]
-        jobs = max(1, min(len(srcs), os.cpu_count() or 1))
-        pending = list(zip(srcs, objs))
-        running: list[tuple[Path, subprocess.Popen]] = []
-        try:
-            while pending or running:
-                while pending and len(running) < jobs:
-                    s, o = pending.pop(0)
-                    cmd = [cxx, "-c", *_compile_flags(), str(s), "-o", str(o)]
-                    running.append((s, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-                s, p = running.pop(0)
-                out, _ = p.communicate()
-                if p.returncode != 0:
-                    raise RuntimeError(f"compiling {s.name} failed:\n{_tail(out)}")
-        finally:
-            for _, p in running:
-                p.kill()
-                p.wait()
+        _compile_objects(cxx, srcs, objs, _compile_flags())
         lib = Path(tmp) / f"{LIB_NAME}.so"
         r = subprocess.run([cxx, *map(str, objs), *_link_flags(), "-o", str(lib)],
                            check=False, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"linking {LIB_NAME} failed:\n{_tail(r.stdout + r.stderr)}")
         os.replace(lib, target)  # atomic: a reader sees no library or a whole one
+
+
+def compile_check(capability: str, workdir: str | os.PathLike) -> float:
+    """Compile every native source for another CPU capability ("AVX512", "AVX2", "DEFAULT") into objects under
+    `workdir`, without linking or loading them; returns the seconds it took, raises RuntimeError with the
+    compiler's output on the first failure.
+
+    Each machine builds only its own capability, so code for the others (the AVX-512 VNNI, AVX-512 BF16 and AMX
+    kernels on an AVX2 machine) would first be compiled on a user's machine of that class. This finds an error there
+    before it ships. -O0 keeps it fast and still catches what -O3 would reject: templates are instantiated and
+    always_inline intrinsics are inlined (a missing target attribute is an error) at every level."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    srcs = sources()
+    objs = [Path(workdir) / f"{s.stem}.o" for s in srcs]
+    flags = [f for f in _compile_flags(capability) if f != "-O3"] + ["-O0"]
+    start = time.perf_counter()
+    _compile_objects(cxx, srcs, objs, flags)
+    return time.perf_counter() - start
 
 
 def _tail(text: str, lines: int = 25) -> str:

@@ -7,6 +7,7 @@ also checks the build cache: compiled once, then loaded)."""
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -145,3 +146,41 @@ def test_other_cpu_capability_builds_vs_spec(capability, tmp_path):
     again = _run_script(_LOAD_SCRIPT, env)
     assert again["cached"] is True and again["library"] == out["library"], again
     assert abs(again["lp"] - (-0.31326168751822286)) < 1e-6
+
+
+def _disassembly(obj):
+    r = subprocess.run(["objdump", "-d", str(obj)], check=True, capture_output=True, text=True, timeout=300)
+    return r.stdout
+
+
+def test_avx512_and_amx_kernels_compile_on_a_cpu_without_them(tmp_path):
+    """Every machine builds only its own capability, so a change made on an AVX2 machine could break the AVX-512
+    VNNI / BF16 and AMX kernels unseen until a user of such a CPU fails to build (and falls back to torch). Here the
+    AVX-512 build is compiled (not run) and its objects must hold those kernels' instructions."""
+    from flashrl_kernels import _native
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX-512 build is x86-64 only")
+    if _native._compiler() is None:
+        pytest.skip("no C++ compiler here")
+    if _native.native_status(load=True).capability == "AVX512":
+        pytest.skip("this machine's own build is the AVX-512 one: the suite built and ran it")
+    _native.compile_check("AVX512", tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.o")) == sorted(f"{s.stem}.o" for s in _native.sources())
+    if shutil.which("objdump") is None:
+        return
+    packed, rows = _disassembly(tmp_path / "qlinear_packed.o"), _disassembly(tmp_path / "qlinear.o")
+    assert "vpdpbusd" in packed and "tdpbusd" in packed  # AVX-512 VNNI tiles, AMX-INT8 tiles
+    assert "vdpbf16ps" in rows and "tdpbf16ps" in rows  # AVX-512 BF16 tiles, AMX-BF16 tiles
+
+
+def test_compile_check_reports_the_compilers_error(tmp_path, monkeypatch):
+    from flashrl_kernels import _native
+
+    if _native._compiler() is None:
+        pytest.skip("no C++ compiler here")
+    bad = tmp_path / "broken_kernel.cpp"
+    bad.write_text("int f() { return undeclared_name; }\n")
+    monkeypatch.setattr(_native, "sources", lambda: [bad])
+    with pytest.raises(RuntimeError, match=r"(?s)compiling broken_kernel\.cpp failed.*undeclared_name"):
+        _native.compile_check("DEFAULT", tmp_path)

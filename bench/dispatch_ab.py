@@ -10,7 +10,7 @@ process, round by round. On a shared VM whose memory bandwidth moves between pro
 guest: the same INT8 set took 14 to 23 ms at 1 token from one process to the next) that comparison contradicted
 itself. Here FLASHRL_NATIVE_DISPATCH_LIVE=1 makes the library read the dispatch variables at every call
 (`dispatch_int` in csrc/cpu/cpu_features.h: FLASHRL_NATIVE_AMX_MIN_M, _AMX_BF16_MIN_M, _AMX_HEAD_MIN_M,
-_AMX_PF_KB, _BRGEMM_MIN_M, _BF16_BRGEMM_MIN_M, _THP, _AVX2_PAIR_ROWS), so the variants share the
+_AMX_PF_KB, _BRGEMM_MIN_M, _BF16_BRGEMM_MIN_M, _THP, _AVX2_PAIR_ROWS, _AVX2_PF), so the variants share the
 machine's every phase.
 
 A variant is NAME:VAR=V,VAR=V (no assignments: the process's defaults); a variable one variant sets is unset for

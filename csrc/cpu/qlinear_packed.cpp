@@ -434,16 +434,33 @@ inline void store8(Out* dst, __m256 v) {
   }
 }
 
+// `bytes` from p (null: none) into L2 a line at a time, spread evenly over `steps` calls of step(): a tile's share of
+// the weight it will read next, so that its stream from DRAM overlaps the tiles' arithmetic (no division per step)
+struct SpreadPrefetch {
+  const char* p;
+  const char* end;
+  int64_t due = 0, per_step, per_line;
+  SpreadPrefetch(const char* p, int64_t bytes, int64_t steps)
+      : p(p), end(p ? p + bytes : nullptr), per_step(bytes), per_line(64 * std::max<int64_t>(1, steps)) {}
+  inline void step() {
+    if (!p) return;
+    for (due += per_step; due >= per_line && p < end; due -= per_line, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+  }
+};
+
 // MT tokens x 4 RV rows from row n0 over all K: w points at the first of the RV / 2 consecutive 8-row blocks
 // (block_bytes apart; in each, k-group g is 32 bytes at 32 g), a at the first token's int16 codes
 template <int MT, int RV, typename Out>
 inline void avx2_tile(const int16_t* a, int64_t lda, const int8_t* w, int64_t block_bytes, int64_t groups,
-                      const Epilogue8& e, int64_t m0, int64_t n0, Out* y) {
+                      const Epilogue8& e, int64_t m0, int64_t n0, Out* y, const char* pf = nullptr,
+                      int64_t pf_bytes = 0) {
   static_assert(RV % 2 == 0, "rows are finished 8 at a time");
   __m256i acc[MT][RV];
   FLASHRL_UNROLL_PACKED for (int m = 0; m < MT; ++m)
     FLASHRL_UNROLL_PACKED for (int r = 0; r < RV; ++r) acc[m][r] = _mm256_setzero_si256();
+  SpreadPrefetch ahead(pf, pf_bytes, groups);
   for (int64_t g = 0; g < groups; ++g) {
+    ahead.step();
     const int8_t* wg = w + g * kPackGroup;
     __m256i wv[RV];
     FLASHRL_UNROLL_PACKED for (int r = 0; r < RV; ++r)
@@ -470,30 +487,45 @@ inline void avx2_tile(const int16_t* a, int64_t lda, const int8_t* w, int64_t bl
   }
 }
 
-// tokens [mc, mend) x 8-row blocks [b0, b1): per block, 4 tokens at a time; the 2 / 1 tokens left over take
-// 2 / 4 blocks at a time (fewer tokens leave registers for more rows: 8 accumulators in every tile)
+// tokens [mc, mend) x 8-row blocks [b0, b1), 4 blocks at a time: per block, 4 tokens a tile; the 2 / 1 tokens left
+// over take 2 / 4 blocks a tile (fewer tokens leave registers for more rows: 8 accumulators in every tile), on the
+// same 4 blocks while they are in cache (a second pass over the weight for them, until 2026-12-07, cost 1.05-1.15x
+// the time at 5-11 tokens). With 1-3 tokens, the tiles prefetch the next 4 blocks into L2 spread over their loop
+// (FLASHRL_NATIVE_AVX2_PF=0: off; 0.91-0.98x the time at 2-3 tokens on the Zen 3 VM; the 4-token tiles'
+// prefetching a share of the next block each measured 0.9-1.1x, noise or worse, and does not: docs/native.md).
 template <typename Out>
 void avx2_blocks(const int16_t* a, int64_t lda, int64_t K, const int8_t* w, int64_t b0, int64_t b1, int64_t mc,
                  int64_t mend, const Epilogue8& e, Out* y) {
   const int64_t groups = K / 4, bb = groups * kPackGroup;
-  const int64_t tail = (mend - mc) % 4, mt = mend - tail;
-  for (int64_t b = b0; b < b1; ++b)  // (5 and 6 tokens per tile measured no faster: 12 accumulators)
-    for (int64_t m0 = mc; m0 < mt; m0 += 4)
-      avx2_tile<4, 2>(a + m0 * lda, lda, w + b * bb, bb, groups, e, m0, b * kPackRows, y);
-  if (tail == 0) return;
-  int64_t b = b0;
-  for (; b + 4 <= b1; b += 4) {
+  const int64_t tail = (mend - mc) % 4, mt = mend - tail, ntiles = (mt - mc) / 4;
+  const bool prefetch = dispatch_int("FLASHRL_NATIVE_AVX2_PF", 1) != 0;
+  const auto at = [&](int64_t block) { return reinterpret_cast<const char*>(w + block * bb); };
+  for (int64_t b = b0; b < b1; b += 4) {
+    const int64_t nb = std::min<int64_t>(4, b1 - b);
+    for (int64_t j = b; j < b + nb; ++j)  // (5 and 6 tokens per tile measured no faster: 12 accumulators)
+      for (int64_t m0 = mc; m0 < mt; m0 += 4)
+        avx2_tile<4, 2>(a + m0 * lda, lda, w + j * bb, bb, groups, e, m0, j * kPackRows, y);
+    if (tail == 0) continue;
+    if (nb < 4) {
+      for (int64_t j = b; j < b + nb; ++j)
+        for (int64_t m0 = mt; m0 < mend; ++m0)
+          avx2_tile<1, 2>(a + m0 * lda, lda, w + j * bb, bb, groups, e, m0, j * kPackRows, y);
+      continue;
+    }
+    const int64_t pf_blocks = prefetch && ntiles == 0 ? std::min<int64_t>(4, b1 - (b + 4)) : 0;
     int64_t m0 = mt;
     if (tail >= 2) {
-      for (int64_t h = b; h < b + 4; h += 2)
-        avx2_tile<2, 4>(a + m0 * lda, lda, w + h * bb, bb, groups, e, m0, h * kPackRows, y);
+      for (int64_t h = b; h < b + 4; h += 2) {
+        const int64_t own = std::max<int64_t>(0, std::min<int64_t>(2, pf_blocks - (h - b)));
+        avx2_tile<2, 4>(a + m0 * lda, lda, w + h * bb, bb, groups, e, m0, h * kPackRows, y,
+                        own > 0 ? at(h + 4) : nullptr, own * bb);
+      }
       m0 += 2;
     }
-    if (m0 < mend) avx2_tile<1, 8>(a + m0 * lda, lda, w + b * bb, bb, groups, e, m0, b * kPackRows, y);
+    if (m0 < mend)
+      avx2_tile<1, 8>(a + m0 * lda, lda, w + b * bb, bb, groups, e, m0, b * kPackRows, y,
+                      tail < 2 && pf_blocks > 0 ? at(b + 4) : nullptr, pf_blocks * bb);
   }
-  for (; b < b1; ++b)
-    for (int64_t m0 = mt; m0 < mend; ++m0)
-      avx2_tile<1, 2>(a + m0 * lda, lda, w + b * bb, bb, groups, e, m0, b * kPackRows, y);
 }
 
 // AVX-VNNI (Alder Lake and later client cores, Sierra Forest): vpdpbusd on ymm, VEX-encoded, without AVX-512.

@@ -406,8 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated vLLM KV cache dtypes, from auto,fp8,fp8_e4m3,fp8_e5m2: every engine runs "
                          "under each (default: auto, the model's bf16)")
     ro.add_argument("--cases", default=None, metavar="LIST",
-                    help="comma-separated, from decode8,decode32,prefill,rollout8,rollout32 (default: "
-                         "decode8,decode32,prefill; rollout8 / rollout32 ask for logprobs=0 as RL rollouts do)")
+                    help="comma-separated, from decode8,decode32,prefill,rollout8,rollout32,tail8 (default: "
+                         "decode8,decode32,prefill; rollout8 / rollout32 ask for logprobs=0 as RL rollouts do; "
+                         "tail8 is rollout8 whose requests stop after 16, 32, ..., 128 tokens: a rollout's long tail)")
     ro.add_argument("--eager", action=argparse.BooleanOptionalAction, default=False,
                     help="enforce_eager=True for the engines (default: --no-eager, vLLM's default compiled mode; "
                          "eager starts faster)")

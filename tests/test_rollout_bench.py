@@ -135,6 +135,29 @@ def test_rollout_cases_ask_for_the_sampled_tokens_logprob():
         assert [p.logprobs for p in llm.params] == [want, want] and all(p.seed is not None for p in llm.params)
 
 
+def test_tail_case_shrinks_the_batch_as_a_rollouts_long_tail():
+    """tail8: the 8 requests stop after 16, 32, ..., 128 tokens (so the decode batch runs 8 sequences, then 7, ...,
+    then 1), with logprobs=0; the bandwidth bound counts its mean of 4.5 sequences a step."""
+    pytest.importorskip("vllm", exc_type=ImportError)
+    spec = rb.case_specs(False)["tail8"]
+
+    class Recorder:
+        def generate(self, prompts, params, use_tqdm):
+            self.params = params
+            return []
+
+    llm = Recorder()
+    rb._generate(llm, [[1, 2, 3]] * 8, spec)
+    assert [p.max_tokens for p in llm.params] == [16, 32, 48, 64, 80, 96, 112, 128]
+    assert all(p.logprobs == 0 and p.ignore_eos and p.seed is not None for p in llm.params)
+    assert spec.seqs_per_step == 4.5 and rb.case_specs(False)["decode8"].seqs_per_step == 8
+    quick = rb.case_specs(True)["tail8"]
+    assert [quick.new_tokens(i) for i in range(8)] == [2, 4, 6, 8, 10, 12, 14, 16]
+    rb._generate(llm, [[1, 2, 3]] * 8, spec, max_tokens=2)  # the warm-up keeps its 2 tokens for every request
+    assert [p.max_tokens for p in llm.params] == [2] * 8
+    assert "tail8" in rb.CASES and "tail8" not in rb.DEFAULT_CASES
+
+
 def test_tp_thread_binding_splits_this_process_cpus(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2, 5}, raising=False)
     assert rb.tp_thread_binding(2) == "0,1|2,3"  # equal runs; the odd CPU out stays free

@@ -60,6 +60,8 @@ sampling seed, so all engines sample from comparable sequences):
   prefill    8 prompts of 512 tokens, 1 new token                                  (quick: 8 x 64)
   rollout8   rollout32   decode8 / decode32 with logprobs=0: the sampled token's log-probability, what an RL
              rollout asks for TIS (opt-in)
+  tail8      rollout8 with the 8 requests stopping after 16, 32, ..., 128 new tokens: a rollout's long tail, the
+             batch shrinking from 8 sequences to 1 (opt-in; its bound uses the mean, 4.5 sequences a step)
 --quick runs decode8 and prefill unless --cases names others.
 Per engine: one untimed warm-up generate per case (its prompts, 2 new tokens), then `--repeats`
 timed `generate` calls per case (default 3), each the whole batch submitted at once; the median wall time is
@@ -134,7 +136,7 @@ FLASHRL_VARIANTS = {"flashrl_int8": ("flashrl_int8", {}), "flashrl_fp8": ("flash
 # engines built under another FLASHRL_VLLM_SAMPLER than the process's (integrations/vllm/sampler.py)
 SAMPLER_OVERRIDES = {"flashrl_int8_vllm_sampler": "0", "flashrl_fp8_vllm_sampler": "0"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype; fp8 on CPU needs AVX-512 / AMX
-CASES = ("decode8", "decode32", "prefill", "rollout8", "rollout32")
+CASES = ("decode8", "decode32", "prefill", "rollout8", "rollout32", "tail8")
 DEFAULT_CASES = ("decode8", "decode32", "prefill")
 QUICK_CASES = ("decode8", "prefill")  # --quick runs these unless --cases says otherwise
 DEFAULT_LAYERS, DEFAULT_HIDDEN, QUICK_LAYERS, QUICK_HIDDEN = 24, 896, 2, 128
@@ -155,10 +157,20 @@ class CaseSpec:
     prompt_len: int
     max_tokens: int
     logprobs: int | None = None  # SamplingParams.logprobs of each request
+    staggered: bool = False  # request i stops after max_tokens * (i + 1) / n_prompts new tokens (a long tail)
 
     @property
     def is_prefill(self) -> bool:
         return self.max_tokens == 1
+
+    def new_tokens(self, i: int) -> int:
+        """max_tokens of request i."""
+        return max(1, self.max_tokens * (i + 1) // self.n_prompts) if self.staggered else self.max_tokens
+
+    @property
+    def seqs_per_step(self) -> float:
+        """Sequences a decode step runs, on average over the case's steps (max_tokens of them)."""
+        return sum(self.new_tokens(i) for i in range(self.n_prompts)) / self.max_tokens
 
 
 def case_specs(quick: bool) -> dict[str, CaseSpec]:
@@ -169,6 +181,7 @@ def case_specs(quick: bool) -> dict[str, CaseSpec]:
         "prefill": CaseSpec("prefill", 8, 64 if quick else 512, 1),
         "rollout8": CaseSpec("rollout8", 8, 16, new, logprobs=0),
         "rollout32": CaseSpec("rollout32", 32, 16, new, logprobs=0),
+        "tail8": CaseSpec("tail8", 8, 16, new, logprobs=0, staggered=True),
     }
 
 
@@ -299,7 +312,7 @@ def read_bandwidth_gbps(mbytes: int = 512, repeats: int = 7) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def decode_step_bytes(cfg: dict, engine: str, quant_options: str | None, n_seqs: int, context: float,
+def decode_step_bytes(cfg: dict, engine: str, quant_options: str | None, n_seqs: float, context: float,
                       kv_bytes: int = 2) -> int:
     """Bytes one decode step must read from memory: every linear weight (bf16: 2 B; int8 / fp8: 1 B plus a fp32
     scale per row), the norms and biases, the LM head (bf16 unless a flashrl engine runs with quantize_lm_head),
@@ -381,7 +394,7 @@ def _generate(llm, prompts, spec: CaseSpec, max_tokens: int | None = None):
     # per-request seeds only for decoding: vLLM 0.32's CPU sampler raises "CPU Generator does not use offset"
     # for a seeded request whose prompt is prefilled in chunks (long prompts), and a prefill's one token is not scored
     seeded = not spec.is_prefill
-    sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens or spec.max_tokens, ignore_eos=True,
+    sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens or spec.new_tokens(i), ignore_eos=True,
                           seed=SAMPLE_SEED + i if seeded else None, detokenize=False, logprobs=spec.logprobs)
            for i in range(len(prompts))]
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
@@ -609,10 +622,11 @@ def run(args) -> tuple[dict, list[Row]]:
         spec = specs[r.case]
         if not spec.is_prefill:
             engine, kv = variants[r.engine]
-            nbytes = decode_step_bytes(cfg, engine, quant_options, spec.n_prompts,
+            seqs = spec.seqs_per_step
+            nbytes = decode_step_bytes(cfg, engine, quant_options, seqs,
                                        spec.prompt_len + spec.max_tokens / 2, kv_bytes=2 if kv == "auto" else 1)
             r.step_mbytes = nbytes / 1e6
-            r.bound_tokens_per_s = spec.n_prompts * head["read_gbps"] * 1e9 / nbytes
+            r.bound_tokens_per_s = seqs * head["read_gbps"] * 1e9 / nbytes
             if r.tokens_per_s:
                 r.of_bound = r.tokens_per_s / r.bound_tokens_per_s
     return head, rows

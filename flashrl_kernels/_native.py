@@ -271,8 +271,8 @@ def compile_check(capability: str, workdir: str | os.PathLike) -> float:
 
     Each machine builds only its own capability, so code for the others (the AVX-512 VNNI, AVX-512 BF16 and AMX
     kernels on an AVX2 machine) would first be compiled on a user's machine of that class. This finds an error there
-    before it ships. -O0 keeps it fast and still catches what -O3 would reject: templates are instantiated and
-    always_inline intrinsics are inlined (a missing target attribute is an error) at every level."""
+    before it ships. -O0 keeps it fast; templates are instantiated and always_inline intrinsics inlined (where a
+    missing target attribute is an error) at every optimization level."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")

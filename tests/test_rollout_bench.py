@@ -202,12 +202,10 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     # the flashrl engine's 151936-row LM head is among its costliest ops; the bf16 engine runs no flashrl op
     from flashrl_kernels import _backend
 
-    if _backend.native_built():
-        assert any(o["op"].startswith("flashrl") for o in meta["profiles"]["flashrl_int8"]["decode8"]["top"])
     assert not any(o["op"].startswith("flashrl") for o in meta["profiles"]["bf16"]["decode8"]["top"])
-    # flashrl_int8_qhead is the same engine with quantize_lm_head: its head is no bf16 linear
     ops = {e: {o["op"] for o in meta["profiles"][e]["decode8"]["top"]} for e in ("flashrl_int8", "flashrl_int8_qhead")}
     if _backend.native_built():
+        # flashrl_int8_qhead is the same engine with quantize_lm_head: its head is no bf16 linear
         assert "flashrl_native::bf16_linear" in ops["flashrl_int8"], ops
         assert "flashrl_native::bf16_linear" not in ops["flashrl_int8_qhead"], ops
     assert "profile flashrl_int8 decode8: one generate" in proc.stdout

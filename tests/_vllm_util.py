@@ -40,20 +40,39 @@ def generate(llm, prompts=PROMPTS, **kw):
     return ids, lps
 
 
+def _greedy_sequences(llm):
+    """Prompt + greedy continuation token ids of PROMPTS under `llm`."""
+    ids, _ = generate(llm)
+    prompts = llm.generate(PROMPTS, vllm.SamplingParams(max_tokens=1), use_tqdm=False)
+    return [list(p.prompt_token_ids) + x for p, x in zip(prompts, ids)]
+
+
+def _engine_scores(engine, seqs):
+    """The engine's logprob of every token of `seqs` after the first, given its prefix."""
+    out = engine.generate([{"prompt_token_ids": s} for s in seqs],
+                          vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.cat([torch.tensor([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])])
+                      for o, s in zip(out, seqs)])
+
+
 def greedy_logprob_diff(ref, llm):
     """|logprob diff| between `llm` and the bf16 engine `ref`, on `ref`'s greedy continuations of PROMPTS
     (every token scored given its prefix, so both engines see the same sequences)."""
-    ids, _ = generate(ref)
-    prompts = ref.generate(PROMPTS, vllm.SamplingParams(max_tokens=1), use_tqdm=False)
-    seqs = [list(p.prompt_token_ids) + x for p, x in zip(prompts, ids)]
+    seqs = _greedy_sequences(ref)
+    return (_engine_scores(llm, seqs) - _engine_scores(ref, seqs)).abs()
 
-    def score(engine):
-        out = engine.generate([{"prompt_token_ids": s} for s in seqs],
-                              vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        return torch.cat([torch.tensor([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])])
-                          for o, s in zip(out, seqs)])
 
-    return (score(llm) - score(ref)).abs()
+def float_logprob_diff(llm, ckpt):
+    """|logprob diff| between `llm` and the checkpoint's float32 transformers model, on `llm`'s greedy
+    continuations of PROMPTS: a reference without a second engine (the multi-process tests start few)."""
+    from transformers import AutoModelForCausalLM
+
+    seqs = _greedy_sequences(llm)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.cat([model(torch.tensor([s])).logits[0, :-1].double().log_softmax(-1)
+                         .gather(-1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs])
+    return (_engine_scores(llm, seqs).double() - ref).abs()
 
 
 def weights_as_bytes(model):

@@ -45,27 +45,35 @@ def _bad_sets(sd):
     }
 
 
+def _unchanged(before, after):
+    """Per rank, the names whose stored bytes a sync left as they were."""
+    return [sorted(n for n in b if b[n][0] == a[n][0]) for b, a in zip(before, after)]
+
+
 def tp2(root: Path, vllm, kw):
-    """TP = 2 engines: generate, logprobs vs the TP = 2 bf16 engine, sync == fresh engine, bad syncs."""
-    from _vllm_util import generate, greedy_logprob_diff, state_dict_of
+    """TP = 2 engines: logprobs vs the float32 model, a sync that changes every stored tensor of both ranks, bad
+    syncs, and a sync back to the base weights that leaves both ranks byte for byte as the fresh engine was.
+
+    Two engines, not four: the float32 transformers model is the logprob reference (no bf16 TP = 2 engine), and the
+    engine is its own fresh-engine reference (the sync back to the checkpoint it was loaded from); each TP = 2 engine
+    costs ~40 s to start on a 2-core machine."""
+    from _vllm_util import float_logprob_diff, generate, state_dict_of
 
     from flashrl_kernels.integrations.vllm import sync_weights
 
     kw = {**kw, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     out = {}
-    ref = vllm.LLM(str(root / "base"), **kw)
     for quant in ("flashrl_fp8", "flashrl_int8"):
         llm = vllm.LLM(str(root / "base"), quantization=quant, **kw)
-        diff = greedy_logprob_diff(ref, llm)
+        diff = float_logprob_diff(llm, root / "base")
         out[quant] = {"mean": float(diff.mean()), "max": float(diff.max()),
                       "dtypes": [sorted({v[3] for n, v in st.items() if n.endswith("proj.weight")})
                                  for st in _rank_states(llm)]}
         if quant == "flashrl_fp8":
             _shutdown(llm)
-    _shutdown(ref)
-    # llm: the TP = 2 int8 engine; a perturbed sync, then the bad ones
+    # llm: the TP = 2 int8 engine as loaded from `base`; a perturbed sync, the bad ones, then `base` again
     ids0 = generate(llm)
-    before = _rank_states(llm)
+    fresh = _rank_states(llm)
     sd = state_dict_of(root / "perturbed")
     res = sync_weights(llm, sd)
     after = _rank_states(llm)
@@ -74,8 +82,8 @@ def tp2(root: Path, vllm, kw):
         "n_tensors": res.n_tensors, "n_sent": len(sd), "bytes": res.bytes_written,
         "bytes_stored": sum(v[1] for st in after for v in st.values()),
         "ptrs_kept": [{n: v[2] for n, v in b.items()} == {n: v[2] for n, v in a.items()}
-                      for b, a in zip(before, after)],
-        "changed": synced != ids0,
+                      for b, a in zip(fresh, after)],
+        "changed": synced != ids0, "unchanged_tensors": _unchanged(fresh, after),
         "codes_total": res.codes_total, "codes_changed": res.codes_changed, "max_scale_change": res.max_scale_change,
         "codes_stored": sum(v[1] for st in after for v in st.values() if v[3] == "torch.int8"),
     }
@@ -88,16 +96,16 @@ def tp2(root: Path, vllm, kw):
             out["bad"][case] = {"raised": type(e).__name__, "message": str(e)}
         now = _rank_states(llm)
         out["bad"][case]["unchanged"] = all(_same_bytes(a, b) for a, b in zip(after, now)) and generate(llm) == synced
-    fresh = vllm.LLM(str(root / "perturbed"), quantization="flashrl_int8", **kw)
-    out["sync"]["equals_fresh"] = generate(fresh) == synced
-    out["sync"]["state_equals_fresh"] = [_same_bytes(a, b) for a, b in zip(after, _rank_states(fresh))]
-    _shutdown(fresh)
+    sync_weights(llm, state_dict_of(root / "base"))
+    out["sync"]["equals_fresh"] = generate(llm) == ids0
+    out["sync"]["state_equals_fresh"] = [_same_bytes(a, b) for a, b in zip(fresh, _rank_states(llm))]
     _shutdown(llm)
     return out
 
 
 def mp1(root: Path, vllm, kw):
-    """vLLM's default multi-process engine at TP = 1, without insecure serialization: sync == fresh."""
+    """vLLM's default multi-process engine at TP = 1, without insecure serialization: a perturbed sync changes the
+    rollout, a bad one changes nothing, a sync back to the base weights gives the fresh engine's rollout again."""
     from _vllm_util import generate, state_dict_of
 
     from flashrl_kernels.integrations.vllm import sync_weights
@@ -116,10 +124,9 @@ def mp1(root: Path, vllm, kw):
     out = {"n_tensors": res.n_tensors, "bytes": res.bytes_written, "changed": synced != ids0, "bad": bad,
            "changed_share": res.changed_share, "max_scale_change": res.max_scale_change,
            "unchanged_after_bad": generate(llm) == synced}
+    sync_weights(llm, state_dict_of(root / "base"))
+    out["equals_fresh"] = generate(llm) == ids0
     _shutdown(llm)
-    fresh = vllm.LLM(str(root / "perturbed"), quantization="flashrl_int8", **kw)
-    out["equals_fresh"] = generate(fresh) == synced
-    _shutdown(fresh)
     return out
 
 

@@ -26,6 +26,7 @@ import torch
 pytest.importorskip("openrlhf", reason="openrlhf is not installed (.ci/run installs it after the main suite)")
 
 import openrlhf_scenario as sc
+from _subprocess_pool import SubprocessPool
 
 sc.install_flash_attn_stub()
 
@@ -613,12 +614,23 @@ print(json.dumps(got))
 """
 
 
-@pytest.mark.parametrize("env", ["trl,openrlhf", ""])  # trl is not installed here: it warns, openrlhf is patched
-def test_flashrl_patch_variable(env):
+_ENV_CASES = ["trl,openrlhf", ""]  # trl is not installed here: it warns, openrlhf is patched
+
+
+@pytest.fixture(scope="module")
+def env_checks():
+    """Both fresh processes of the test below started together (each ~17 s, mostly single-threaded imports)."""
+    pool = SubprocessPool({env: {"args": [sys.executable, "-c", _ENV_CHECK.format(tests=str(TESTS))],
+                                 "env": {**os.environ, "FLASHRL_PATCH": env}, "timeout": 300} for env in _ENV_CASES})
+    yield pool.result
+    pool.close()
+
+
+@pytest.mark.parametrize("env", _ENV_CASES)
+def test_flashrl_patch_variable(env_checks, env):
     """FLASHRL_PATCH=openrlhf patches at `import flashrl_kernels`; GAE is patched when its module is imported
     later (the post-import hook); without the variable nothing is patched."""
-    r = subprocess.run([sys.executable, "-c", _ENV_CHECK.format(tests=str(TESTS))], capture_output=True, text=True,
-                       env={**os.environ, "FLASHRL_PATCH": env}, timeout=300, check=False)
+    r = env_checks(env)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["before_gae"] is False

@@ -6,7 +6,6 @@ imports need (.ci/run does so after the main suite; see docs/integrations/verl.m
 they skip.
 """
 import os
-import subprocess
 import sys
 import zlib
 
@@ -15,6 +14,7 @@ import torch
 
 verl = pytest.importorskip("verl", reason="verl is not installed (.ci/run installs it after the main suite)")
 
+from _subprocess_pool import SubprocessPool
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 from verl.workers.config.actor import FSDPActorConfig
@@ -220,17 +220,6 @@ _PLUGIN_CHECK = (
     "print(sorted(k for k in POLICY_LOSS_REGISTRY if k.startswith('flashrl')))\n"
 )
 
-
-@pytest.mark.parametrize("env,expected", [("verl", "['flashrl', 'flashrl_gspo']"), ("", "[]"),
-                                          ("trl,verl", "['flashrl', 'flashrl_gspo']")])
-def test_verl_plugin_entry_point_patches_only_when_asked(env, expected):
-    full_env = {**os.environ, "FLASHRL_PATCH": env}
-    r = subprocess.run([sys.executable, "-c", _PLUGIN_CHECK], check=False, env=full_env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == expected, r.stdout + r.stderr[-2000:]
-
-
 _UNPATCH_CHECK = (
     "import sys\n"
     "import verl\n"
@@ -244,13 +233,35 @@ _UNPATCH_CHECK = (
     "print(left)\n"
 )
 
+_PLUGIN_CASES = [("verl", "['flashrl', 'flashrl_gspo']"), ("", "[]"), ("trl,verl", "['flashrl', 'flashrl_gspo']")]
+_UNPATCH_CASES = ["", "verl"]
 
-@pytest.mark.parametrize("env", ["", "verl"])
-def test_unpatch_restores_modules_first_imported_by_patch(env):
+
+@pytest.fixture(scope="module")
+def fresh_imports():
+    """The fresh-process checks below, started together: each is ~10 s of single-threaded `import verl`, so two
+    CPUs take about half the time of running them one by one. fresh_imports(check, env) -> CompletedProcess."""
+    jobs = {(name, env): {"args": [sys.executable, "-c", code], "env": {**os.environ, "FLASHRL_PATCH": env},
+                          "timeout": 300}
+            for name, code, envs in (("plugin", _PLUGIN_CHECK, [e for e, _ in _PLUGIN_CASES]),
+                                     ("unpatch", _UNPATCH_CHECK, _UNPATCH_CASES)) for env in envs}
+    pool = SubprocessPool(jobs)
+    yield lambda name, env: pool.result((name, env))
+    pool.close()
+
+
+@pytest.mark.parametrize("env,expected", _PLUGIN_CASES)
+def test_verl_plugin_entry_point_patches_only_when_asked(fresh_imports, env, expected):
+    r = fresh_imports("plugin", env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == expected, r.stdout + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("env", _UNPATCH_CASES)
+def test_unpatch_restores_modules_first_imported_by_patch(fresh_imports, env):
     """patch() imports verl's engine modules itself (at `import verl` under FLASHRL_PATCH, nothing has imported them
     yet); each must get verl's logprobs_from_logits back from unpatch(), not the flashrl one it bound at import."""
-    r = subprocess.run([sys.executable, "-c", _UNPATCH_CHECK], check=False, env={**os.environ, "FLASHRL_PATCH": env},
-                       capture_output=True, text=True, timeout=300)
+    r = fresh_imports("unpatch", env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr[-2000:]
 

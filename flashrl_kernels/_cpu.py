@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 import threading
 
@@ -43,6 +44,15 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
     except OSError:
         pass
     return name or platform.processor() or platform.machine() or "cpu", flags
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on, sorted: its affinity mask where the OS has one (a container or a
+    `taskset` gives fewer than the machine has), else all of `os.cpu_count()`. Read at every call: the mask
+    can change."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def cpu_name() -> str:

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from flashrl_kernels import _cpu
+
 log = logging.getLogger("flashrl_kernels.native")
 
 LIB_NAME = "flashrl_native"
@@ -231,7 +233,7 @@ def _build_key(cxx: str, srcs: list[Path]) -> str:
 
 def _compile_objects(cxx: str, srcs: list[Path], objs: list[Path], flags: list[str]) -> None:
     """One object per source, as many compilers at once as this machine has cores; the first failure raises."""
-    jobs = max(1, min(len(srcs), os.cpu_count() or 1))
+    jobs = max(1, min(len(srcs), len(_cpu.usable_cpus())))
     pending = list(zip(srcs, objs))
     running: list[tuple[Path, subprocess.Popen]] = []
     try:

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from flashrl_kernels._cpu import usable_cpus
+
 # ---- targets ----
 
 
@@ -708,8 +710,7 @@ def _kernels_are_jit() -> bool:
 
 def default_jobs(n_archs: int) -> int:
     """Targets compiled at once by default: one process per target, as many as this process may use CPUs."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(n_archs, cpus))
+    return max(1, min(n_archs, len(usable_cpus())))
 
 
 def run_audit(archs: Iterable[str] = DEFAULT_ARCHS, specs: list[Spec] | None = None, quick: bool = False,

@@ -6,9 +6,10 @@ core, worker). So as many at a time as this process has CPUs take about the time
 subprocess is still a fresh process of its own; only the wall clock is shared. A module fixture that holds a pool
 starts all its jobs, also those of tests that -k deselected (close() cancels the ones not started yet).
 """
-import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+
+from flashrl_kernels._cpu import usable_cpus
 
 
 class SubprocessPool:
@@ -17,7 +18,7 @@ class SubprocessPool:
     raises subprocess.TimeoutExpired there)."""
 
     def __init__(self, jobs: dict, width: int | None = None):
-        width = width or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        width = width or len(usable_cpus())
         self._pool = ThreadPoolExecutor(max_workers=max(1, width))
         self._runs = {key: self._pool.submit(subprocess.run, job["args"], env=job.get("env"), capture_output=True,
                                              text=True, timeout=job.get("timeout", 600), check=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _subprocess_pool import SubprocessPool
 
-from flashrl_kernels import cli
+from flashrl_kernels import _cpu, cli
 from flashrl_kernels.benchmarks import harness
 from flashrl_kernels.benchmarks import rollout as rb
 
@@ -165,6 +165,10 @@ def test_tp_thread_binding_splits_this_process_cpus(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7}, raising=False)
     with pytest.raises(ValueError, match="needs 2 CPUs"):
         rb.tp_thread_binding(2)
+    # where the OS has no affinity mask, every CPU it counts
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert _cpu.usable_cpus() == [0, 1, 2] and rb.tp_thread_binding(1) == "0,1,2"
 
 
 def test_model_shapes_scale_with_hidden():
@@ -181,13 +185,11 @@ def test_model_shapes_scale_with_hidden():
 
 
 def _has_avx512():
-    from flashrl_kernels import _cpu
-
     return "avx512f" in _cpu.cpu_flags()
 
 
 def _cpus():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(_cpu.usable_cpus())
 
 
 @pytest.fixture(scope="module")

@@ -121,6 +121,8 @@ import sys
 import time
 from pathlib import Path
 
+from flashrl_kernels import _cpu
+
 OP = "rollout"
 IN_DEFAULT_RUN = False  # minutes per engine at the full size: `flashrl-kernels bench --op rollout`
 STANDALONE = True  # not a harness op: the CLI calls main(args); cases() is empty
@@ -247,7 +249,6 @@ def make_prompts(spec: CaseSpec, vocab: int) -> list[list[int]]:
 def hardware_line() -> dict:
     import torch
 
-    from flashrl_kernels import _cpu
 
     if torch.cuda.is_available():
         return {"device": torch.cuda.get_device_name(0), "isa": None}
@@ -284,7 +285,7 @@ def tp_thread_binding(ranks: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `ranks` CPU workers: the CPUs this process may use, split into equal runs.
 
     vLLM's "auto" binding needs one NUMA node per rank; a one-node machine has to name the CPUs."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cpus = _cpu.usable_cpus()
     if len(cpus) < ranks:
         raise ValueError(f"--engine-mode tp{ranks}: needs {ranks} CPUs, this process may use {len(cpus)}")
     per = len(cpus) // ranks

@@ -10,6 +10,8 @@ import dataclasses
 import os
 from typing import Any
 
+from flashrl_kernels._cpu import usable_cpus
+
 ROLLOUT_ENGINES = ("auto", "vllm", "hf")
 ROLLOUT_QUANTS = ("bf16", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's kv_cache_dtype (fp8 on CPU: AVX-512 or AMX)
@@ -292,7 +294,7 @@ class TrainConfig:
     def split_cpus(self) -> tuple[list[int], list[int]]:
         """(engine CPUs, trainer CPUs) of the asynchronous mode: engine_cpus, or the upper half of this process's
         CPUs ("auto"); the trainer keeps the rest (all of them if engine_cpus names every CPU)."""
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cpus = usable_cpus()
         if self.engine_cpus == "auto":
             engine = cpus[len(cpus) // 2:] if len(cpus) > 1 else cpus
         else:

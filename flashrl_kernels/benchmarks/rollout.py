@@ -79,6 +79,9 @@ compare the linears alone.
 `--profile N` (in-process engines): after the timed runs, one more generate per engine and case under
 torch.profiler, and its N costliest ops by self CPU time (the linears, the head, attention, the sampler, the
 compiled graph), printed after the table and kept in --json: where a step's time goes when two engines differ.
+Above each list, the generate's time in parts (every op, by name: `STEP_PARTS`): the linears, the compiled
+graph's own time, vLLM's attention, the sampler, other ops, and the time outside any op (vLLM's scheduler and
+output processing), which is what keeps any engine's decode from its bandwidth bound.
 
 Accuracy (columns "KL est.", "mean|dlogp|", "max|dlogp|"): the completions the bf16 engine sampled in its first
 timed decode8 run (if decode8 is not among --cases, in one extra untimed decode8 run) are scored by every engine
@@ -414,9 +417,39 @@ def _generate(llm, prompts, spec: CaseSpec, max_tokens: int | None = None):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
 
 
+# what a decode step is made of, by host op name (self CPU time; first match wins): the compiled graph's own time
+# (inductor's fused elementwise kernels, named after the ops they feed, and its Python wrapper), the linears
+# (flashrl's, vLLM's oneDNN / int8 GEMMs and their activation quantization, torch's), vLLM's attention, the
+# sampler and logprobs
+STEP_PARTS = (
+    ("compiled graph", ("CompiledFxGraph", "Pregraph bytecode", "AOTDispatcher", "cpp_fused")),  # kernels name ops
+    ("linears", ("linear", "_mm", "aten::mm", "aten::addmm", "aten::bmm", "scaled_int8_quant")),
+    ("attention", ("attention", "attn", "kv_cache", "reshape_and_cache", "scheduler_metadata", "slot_mapping")),
+    ("sampler", ("sample_categorical", "gumbel", "log_softmax", "token_logprob_rank", "topk", "top_k", "top_p")),
+)
+
+
+def step_part(op: str) -> str:
+    """The STEP_PARTS name of a profiled host op, or "other ops"."""
+    for part, keys in STEP_PARTS:
+        if any(k in op for k in keys):
+            return part
+    return "other ops"
+
+
+def step_parts(self_ms: dict[str, float], wall_ms: float) -> dict[str, float]:
+    """ms of a profiled generate per STEP_PARTS part, "other ops", and "outside ops" (wall time in no op: the
+    scheduler, input preparation, output processing, all in Python)."""
+    parts = {name: 0.0 for name, _ in STEP_PARTS} | {"other ops": 0.0}
+    for op, ms in self_ms.items():
+        parts[step_part(op)] += ms
+    parts["outside ops"] = max(0.0, wall_ms - sum(self_ms.values()))
+    return parts
+
+
 def profile_generate(llm, prompts, spec: CaseSpec, top: int) -> dict:
     """One untimed generate of a case under torch.profiler (this process's host ops, which for an in-process CPU
-    engine is the whole step): the `top` ops by self CPU time, and the total."""
+    engine is the whole step): the `top` ops by self CPU time, the total, and the time per step part."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -426,7 +459,8 @@ def profile_generate(llm, prompts, spec: CaseSpec, top: int) -> dict:
         wall = time.perf_counter() - t0
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     ops = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in events[:top]]
-    return {"wall_ms": wall * 1e3, "self_ms_total": sum(e.self_cpu_time_total for e in events) / 1e3, "top": ops}
+    return {"wall_ms": wall * 1e3, "self_ms_total": sum(e.self_cpu_time_total for e in events) / 1e3, "top": ops,
+            "parts": step_parts({e.key: e.self_cpu_time_total / 1e3 for e in events}, wall * 1e3)}
 
 
 def format_profiles(profiles: dict) -> str:
@@ -436,6 +470,10 @@ def format_profiles(profiles: dict) -> str:
         for name, p in cases.items():
             out.append(f"profile {engine} {name}: one generate, {p['wall_ms']:.0f} ms wall (under the profiler), "
                        f"{p['self_ms_total']:.0f} ms self CPU in all ops")
+            if p.get("parts"):
+                out.append("  parts: " + ", ".join(
+                    f"{part} {ms:.0f} ms ({ms / p['wall_ms'] if p['wall_ms'] else 0.0:.0%})"
+                    for part, ms in p["parts"].items()))
             for o in p["top"]:
                 share = o["self_ms"] / p["wall_ms"] if p["wall_ms"] else 0.0
                 out.append(f"  {o['self_ms']:9.1f} ms {share:6.1%} {o['calls']:7d} calls  {o['op'][:90]}")

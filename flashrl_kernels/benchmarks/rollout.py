@@ -252,7 +252,6 @@ def make_prompts(spec: CaseSpec, vocab: int) -> list[list[int]]:
 def hardware_line() -> dict:
     import torch
 
-
     if torch.cuda.is_available():
         return {"device": torch.cuda.get_device_name(0), "isa": None}
     return {"device": _cpu.cpu_name(), "isa": _cpu.isa_flags()}

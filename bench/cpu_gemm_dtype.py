@@ -17,6 +17,7 @@ import argparse
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -32,20 +33,13 @@ def logprobs_part(rows: int, hidden: int, vocab: int, repeats: int, input_reps: 
     targets = torch.randint(0, vocab, (rows,), generator=g)
 
     def call(dtype, backend, mode):
-        before = os.environ.get("FLASHRL_CPU_GEMM_DTYPE")
-        os.environ["FLASHRL_CPU_GEMM_DTYPE"] = mode  # read at every call
-        try:
-            h, w = h32.to(dtype).requires_grad_(), w32.to(dtype).requires_grad_()
-            with use_backend(backend):
-                t0 = time.perf_counter()
-                lp, ent = linear_token_logprobs(h, w, targets, return_entropy=True)
-                (lp.sum() + ent.sum()).backward()
-                return (time.perf_counter() - t0) * 1e3
-        finally:
-            if before is None:
-                del os.environ["FLASHRL_CPU_GEMM_DTYPE"]
-            else:
-                os.environ["FLASHRL_CPU_GEMM_DTYPE"] = before
+        h, w = h32.to(dtype).requires_grad_(), w32.to(dtype).requires_grad_()
+        # the mode is read at every call; restored after it, so the policy part runs on the user's setting
+        with mock.patch.dict(os.environ, {_cpu_gemm.ENV: mode}), use_backend(backend):
+            t0 = time.perf_counter()
+            lp, ent = linear_token_logprobs(h, w, targets, return_entropy=True)
+            (lp.sum() + ent.sum()).backward()
+            return (time.perf_counter() - t0) * 1e3
 
     print(f"linear_token_logprobs fwd+bwd, entropy on, N={rows} H={hidden} V={vocab}")
     variants = [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "input")]

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,14 +143,20 @@ def cache_root() -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def _file_lock(path: Path, waiting: Callable[[], None] | None = None):
+    """An exclusive lock on `path`; `waiting()` is called once when another process holds it."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock, the atomic rename still keeps the cache consistent
         yield
         return
     with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -231,39 +238,54 @@ def _build_key(cxx: str, srcs: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile_objects(cxx: str, srcs: list[Path], objs: list[Path], flags: list[str]) -> None:
-    """One object per source, as many compilers at once as this machine has cores; the first failure raises."""
+def _compile_objects(cxx: str, srcs: list[Path], objs: list[Path], flags: list[str],
+                     done: Callable[[Path], None] | None = None) -> None:
+    """One object per source, as many compilers at once as this machine has cores, each free core refilled as soon
+    as any compiler finishes (`done(source)` then); the first failure raises with that compiler's output."""
     jobs = max(1, min(len(srcs), len(_cpu.usable_cpus())))
     pending = list(zip(srcs, objs))
-    running: list[tuple[Path, subprocess.Popen]] = []
+    running: list[tuple[Path, Path, subprocess.Popen]] = []
     try:
         while pending or running:
             while pending and len(running) < jobs:
                 s, o = pending.pop(0)
-                cmd = [cxx, "-c", *flags, str(s), "-o", str(o)]
-                running.append((s, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-            s, p = running.pop(0)
-            out, _ = p.communicate()
-            if p.returncode != 0:
-                raise RuntimeError(f"compiling {s.name} failed:\n{_tail(out)}")
+                out = o.with_suffix(".log")  # a file, not a pipe: a long error would fill a pipe nobody reads yet
+                with open(out, "w") as f:
+                    p = subprocess.Popen([cxx, "-c", *flags, str(s), "-o", str(o)], stdout=f, stderr=subprocess.STDOUT)
+                running.append((s, out, p))
+            finished = [r for r in running if r[2].poll() is not None]
+            if not finished:
+                time.sleep(0.05)
+                continue
+            for s, out, p in finished:
+                running.remove((s, out, p))
+                text = out.read_text(errors="replace")
+                out.unlink()
+                if p.returncode != 0:
+                    raise RuntimeError(f"compiling {s.name} failed:\n{_tail(text)}")
+                if done is not None:
+                    done(s)
     finally:
-        for _, p in running:
+        for _, out, p in running:
             p.kill()
             p.wait()
+            out.unlink(missing_ok=True)
 
 
-def _compile(cxx: str, srcs: list[Path], target: Path) -> None:
+def _compile(cxx: str, srcs: list[Path], target: Path, progress: Callable[[str], None] | None = None) -> None:
     """Compile the sources into `target`: one object per source, in parallel, then one link."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objs = [Path(tmp) / f"{i}_{s.stem}.o" for i, s in enumerate(srcs)]
-        _compile_objects(cxx, srcs, objs, _compile_flags())
+        _compile_objects(cxx, srcs, objs, _compile_flags(), None if progress is None else lambda s: progress(s.name))
         lib = Path(tmp) / f"{LIB_NAME}.so"
         r = subprocess.run([cxx, *map(str, objs), *_link_flags(), "-o", str(lib)],
                            check=False, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"linking {LIB_NAME} failed:\n{_tail(r.stdout + r.stderr)}")
         os.replace(lib, target)  # atomic: a reader sees no library or a whole one
+        if progress is not None:
+            progress("link")
 
 
 def compile_check(capability: str, workdir: str | os.PathLike) -> float:
@@ -356,13 +378,61 @@ def _build(cxx: str, srcs: list[Path]) -> Path:
     target = root / f"{LIB_NAME}-{key}" / f"{LIB_NAME}.so"
     _status.cached = target.exists()
     if not _status.cached:
-        with _file_lock(root / f"{LIB_NAME}-{key}.lock"):
+        report = _BuildReport(len(srcs) + 1, target.parent)
+        with _file_lock(root / f"{LIB_NAME}-{key}.lock", waiting=report.waiting):
             if target.exists():  # another process built it while we waited
                 _status.cached = True
             else:
-                log.info("compiling the native CPU kernels (first use) into %s", target.parent)
+                report.start()
                 t0 = time.perf_counter()
-                _compile(cxx, srcs, target)
+                try:
+                    _compile(cxx, srcs, target, progress=report.step)
+                finally:
+                    report.close()
                 _status.build_seconds = time.perf_counter() - t0
-                log.info("native CPU kernels compiled in %.1f s", _status.build_seconds)
+                report.finished(_status.build_seconds)
     return target
+
+
+def _progress_enabled() -> bool:
+    return os.environ.get("FLASHRL_NATIVE_PROGRESS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class _BuildReport:
+    """What a first-use build shows on stderr. It takes one to two minutes on a 2-core machine, inside the user's
+    first CPU op call: silent, that pause looks like a hang. One line when it starts and one when it ends, and a
+    progress bar over the files between them on a terminal; FLASHRL_NATIVE_PROGRESS=0 leaves only the INFO log."""
+
+    def __init__(self, steps: int, where: Path):
+        self.steps, self.where, self.bar = steps, where, None
+        self.show = _progress_enabled()
+
+    def _say(self, text: str) -> None:
+        log.info(text)
+        if self.show:
+            print(f"flashrl_kernels: {text}", file=sys.stderr, flush=True)
+
+    def waiting(self) -> None:
+        self._say(f"waiting for another process that is compiling the native CPU kernels into {self.where}")
+
+    def start(self) -> None:
+        self._say(f"compiling the native CPU kernels for {_status.capability or _capability_flags()[0]} "
+                  f"(once for this torch, compiler and source; cached after) into {self.where}")
+        if self.show and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.steps, desc="flashrl_kernels: compiling", unit="file", file=sys.stderr,
+                            leave=False, dynamic_ncols=True, mininterval=0)  # ~10 updates: show each
+
+    def step(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(name, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def finished(self, seconds: float) -> None:
+        self._say(f"native CPU kernels compiled in {seconds:.1f} s")

@@ -61,6 +61,30 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_build(args) -> int:
+    """Compile the native CPU kernels now rather than inside the first CPU op call (a container image, or before
+    many ranks start), and optionally compile-check the other CPU capabilities' code (docs/native.md)."""
+    import tempfile
+
+    from flashrl_kernels import _native
+
+    st = _native.native_status(load=True)
+    print(st.summary())
+    if not st.loaded:
+        return 1
+    for cap in args.compile_check:
+        print(f"compile check {cap}: compiling {len(_native.sources())} sources ...", flush=True)
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                seconds = _native.compile_check(cap, d)
+            except RuntimeError as e:
+                print(f"compile check {cap}: failed\n{e}")
+                return 1
+        print(f"compile check {cap}: all {len(_native.sources())} sources compiled in {seconds:.1f} s "
+              "(objects only, -O0; nothing linked or run)")
+    return 0
+
+
 def _quantized_linear_line() -> str:
     """Which native kernel the vLLM plugin's INT8 W8A8 layers run on this CPU (docs/native.md)."""
     from flashrl_kernels import _backend, _native
@@ -377,12 +401,27 @@ def _cmd_gpu_audit(args) -> int:
     return 1 if bad else 0
 
 
+def _capabilities(text: str) -> list[str]:
+    caps = [c.strip().upper() for c in text.split(",") if c.strip()]
+    bad = [c for c in caps if c not in ("AVX512", "AVX2", "DEFAULT")]
+    if bad or not caps:
+        raise argparse.ArgumentTypeError(f"expected capabilities from AVX512,AVX2,DEFAULT, got {text!r}")
+    return caps
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashrl-kernels", description="flashrl_kernels: kernels for RL training of LLMs")
     sub = p.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="versions, devices and which backend each op runs on")
     info.set_defaults(func=_cmd_info)
+
+    bu = sub.add_parser("build", help="compile the native CPU kernels now (else on first CPU use) and say where "
+                                      "they are cached")
+    bu.add_argument("--compile-check", type=_capabilities, default=[], metavar="LIST",
+                    help="also compile every source for these other CPU capabilities, from AVX512,AVX2,DEFAULT "
+                         "(objects only: catches a compile error in code this CPU never builds)")
+    bu.set_defaults(func=_cmd_build)
 
     bench = sub.add_parser("bench", help="time the ops against the paths trainers use today")
     bench.add_argument("--op", action="append",

@@ -19,6 +19,39 @@ def test_info_lists_every_backend(capsys):
     assert "native CPU kernels:" in out
 
 
+def test_build_says_where_the_kernels_are_and_compile_checks_other_capabilities(capsys, monkeypatch, tmp_path):
+    from flashrl_kernels import _backend, _native
+
+    if not _backend.native_built():
+        pytest.skip(f"native CPU kernels not built here: {_native.native_status().reason}")
+    srcs = []
+    for i in range(2):  # stand-ins that compile in well under a second
+        srcs.append(tmp_path / f"tiny{i}.cpp")
+        srcs[-1].write_text(f"int tiny{i}() {{ return {i}; }}\n")
+    monkeypatch.setattr(_native, "sources", lambda: srcs)
+    assert cli.main(["build", "--compile-check", "avx512,default"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == _native.native_status().summary() and out[0].startswith("native CPU kernels: active")
+    assert out[1] == "compile check AVX512: compiling 2 sources ..."
+    assert out[2].startswith("compile check AVX512: all 2 sources compiled in")
+    assert out[3] == "compile check DEFAULT: compiling 2 sources ..."
+    assert out[4].startswith("compile check DEFAULT: all 2 sources compiled in") and len(out) == 5
+    srcs[1].write_text("int broken() { return undeclared_name; }\n")
+    assert cli.main(["build", "--compile-check", "AVX2"]) == 1
+    assert "compile check AVX2: failed" in capsys.readouterr().out
+
+
+def test_build_fails_with_the_reason_when_the_kernels_cannot_load(capsys, monkeypatch):
+    from flashrl_kernels import _native
+
+    monkeypatch.setattr(_native, "_status", _native.NativeStatus())
+    monkeypatch.setenv("FLASHRL_NATIVE", "0")
+    assert cli.main(["build"]) == 1
+    assert "unavailable (disabled by FLASHRL_NATIVE=0)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["build", "--compile-check", "avx9"])
+
+
 def test_bench_rejects_unknown_op(capsys):
     assert cli.main(["bench", "--op", "no_such_op", "--no-memory"]) == 2
     assert "no_such_op" in capsys.readouterr().err

@@ -1,9 +1,11 @@
 """The native CPU backend: build/fallback behaviour, selection, thread counts, and
 row shapes specific to its chunked one-pass kernel (max growing across chunks,
 -inf prefixes, NaN late in a row)."""
+import io
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -109,6 +111,107 @@ def test_import_does_not_build():
 
 
 # compiled once into a fresh cache, then loaded from it: test_native_capabilities.py (the portable build)
+
+
+def _tiny_sources(d, n=3):
+    """Sources that compile in well under a second (no torch headers) and link into a library with no ops."""
+    d.mkdir()
+    for i in range(n):
+        (d / f"tiny{i}.cpp").write_text(f'extern "C" int flashrl_tiny_{i}() {{ return {i}; }}\n')
+    return sorted(d.glob("*.cpp"))
+
+
+def test_first_build_says_so_on_stderr_and_a_cache_hit_is_silent(fresh_status, monkeypatch, capsys):
+    """The first use compiles for a minute or two inside the user's first CPU op call: it must not look like a hang."""
+    srcs = _tiny_sources(fresh_status / "cpu")
+    monkeypatch.setattr(_native, "sources", lambda: srcs)
+    monkeypatch.delenv("FLASHRL_NATIVE_PROGRESS", raising=False)
+    assert _native.load()
+    st = fk.native_status()
+    assert st.loaded and not st.cached and st.build_seconds > 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err  # not a terminal here: no bar, a line when it starts and one when it ends
+    assert err[0].startswith(f"flashrl_kernels: compiling the native CPU kernels for {st.capability}")
+    assert err[0].endswith(str(Path(st.library).parent))
+    assert err[1] == f"flashrl_kernels: native CPU kernels compiled in {st.build_seconds:.1f} s"
+    monkeypatch.setattr(_native, "_status", _native.NativeStatus())
+    assert _native.load() and fk.native_status().cached
+    assert capsys.readouterr().err == ""
+
+
+def test_first_build_on_a_terminal_shows_a_bar_over_the_files(fresh_status, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    srcs = _tiny_sources(fresh_status / "cpu", n=4)
+    monkeypatch.setattr(_native, "sources", lambda: srcs)
+    monkeypatch.delenv("FLASHRL_NATIVE_PROGRESS", raising=False)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert _native.load()
+    out = sys.stderr.getvalue()
+    assert "flashrl_kernels: compiling" in out and "5/5" in out  # four objects and the link
+    assert out.rstrip().splitlines()[-1].endswith(f"compiled in {fk.native_status().build_seconds:.1f} s")
+
+
+def test_build_progress_can_be_turned_off_and_stays_in_the_log(fresh_status, monkeypatch, capsys, caplog):
+    srcs = _tiny_sources(fresh_status / "cpu")
+    monkeypatch.setattr(_native, "sources", lambda: srcs)
+    monkeypatch.setenv("FLASHRL_NATIVE_PROGRESS", "0")
+    with caplog.at_level("INFO", logger="flashrl_kernels.native"):
+        assert _native.load()
+    assert capsys.readouterr().err == ""
+    assert any(r.getMessage().startswith("native CPU kernels compiled in") for r in caplog.records)
+
+
+def test_a_build_waiting_for_another_processes_says_so(tmp_path):
+    lock, told, got = tmp_path / "k.lock", threading.Event(), []
+
+    def second():
+        with _native._file_lock(lock, waiting=told.set):
+            got.append(told.is_set())
+
+    with _native._file_lock(lock):  # flock: a second open file description conflicts, even in one process
+        t = threading.Thread(target=second)
+        t.start()
+        assert told.wait(10) and got == []
+    t.join(10)
+    assert got == [True]
+    calls = []
+    with _native._file_lock(lock, waiting=lambda: calls.append(1)):
+        pass
+    assert calls == []
+
+
+_FAKE_CXX = """#!/bin/bash
+# compiles nothing: sleeps for the seconds written in the source, then writes the object (or fails on 'fail')
+while [ $# -gt 0 ]; do case "$1" in *.cpp) src=$1;; -o) shift; out=$1;; esac; shift; done
+what=$(cat "$src")
+if [ "$what" = fail ]; then echo "$src: error: the fake compiler failed here"; exit 1; fi
+sleep "$what"; : > "$out"
+"""
+
+
+def test_compiles_refill_a_free_core_as_soon_as_any_compiler_finishes(tmp_path, monkeypatch):
+    """Two compilers at once: while the slow source compiles, the three fast ones go through the other core
+    (waiting for the first-started one to finish, as before, left that core idle)."""
+    cxx = tmp_path / "fake-c++"
+    cxx.write_text(_FAKE_CXX)
+    cxx.chmod(0o755)
+    monkeypatch.setattr(_native._cpu, "usable_cpus", lambda: [0, 1])
+    srcs = []
+    for name, secs in (("slow", "1.5"), ("fast1", "0.05"), ("fast2", "0.05"), ("fast3", "0.05")):
+        srcs.append(tmp_path / f"{name}.cpp")
+        srcs[-1].write_text(secs)
+    objs = [tmp_path / f"{s.stem}.o" for s in srcs]
+    done = []
+    _native._compile_objects(str(cxx), srcs, objs, [], done=lambda s: done.append(s.stem))
+    assert done == ["fast1", "fast2", "fast3", "slow"]
+    assert all(o.exists() for o in objs) and not list(tmp_path.glob("*.log"))
+    srcs[2].write_text("fail")
+    with pytest.raises(RuntimeError, match=r"(?s)compiling fast2\.cpp failed.*the fake compiler failed here"):
+        _native._compile_objects(str(cxx), srcs, objs, [])
+    assert not list(tmp_path.glob("*.log"))
 
 
 # ---- selection ----

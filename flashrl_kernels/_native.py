@@ -238,20 +238,58 @@ def _build_key(cxx: str, srcs: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+# Every source includes these first (the torch headers are most of a source's compile time): GCC parses them once
+# into a precompiled header. Only sources that include all of them use it, so it cannot hide a missing include.
+PCH_HEADERS = ("ATen/Parallel.h", "ATen/core/Tensor.h", "c10/util/BFloat16.h", "c10/util/Half.h", "torch/library.h")
+
+
+def _pch_sources(cxx: str, srcs: list[Path], jobs: int) -> set[Path]:
+    """The sources to compile with the precompiled header: none where it cannot pay (a compiler per source anyway,
+    not GCC, FLASHRL_NATIVE_PCH=0), else those that include every PCH_HEADERS file."""
+    if jobs >= len(srcs) or os.environ.get("FLASHRL_NATIVE_PCH", "1").strip().lower() in ("0", "false", "off", "no"):
+        return set()
+    if "Free Software Foundation" not in _compiler_id(cxx):  # clang finds no .gch beside an -include'd header
+        return set()
+    return {s for s in srcs if all(f"#include <{h}>" in s.read_text(errors="replace") for h in PCH_HEADERS)}
+
+
 def _compile_objects(cxx: str, srcs: list[Path], objs: list[Path], flags: list[str],
                      done: Callable[[Path], None] | None = None) -> None:
     """One object per source, as many compilers at once as this machine has cores, each free core refilled as soon
-    as any compiler finishes (`done(source)` then); the first failure raises with that compiler's output."""
+    as any compiler finishes (`done(source)` then); the first failure raises with that compiler's output.
+
+    With fewer cores than sources, one core first precompiles PCH_HEADERS (GCC) while the others compile plainly,
+    and the sources started after it include the precompiled header: on 2 cores the build takes ~0.8x the time.
+    A precompiled header that fails to build only costs its time: the sources then compile without it."""
     jobs = max(1, min(len(srcs), len(_cpu.usable_cpus())))
     pending = list(zip(srcs, objs))
     running: list[tuple[Path, Path, subprocess.Popen]] = []
+    use_pch = _pch_sources(cxx, srcs, jobs)
+    pch_dir = objs[0].parent if objs else None
+    header = pch_dir / "flashrl_pch.h" if pch_dir is not None else None
+    pch_ready = False
+    if use_pch:
+        header.write_text("".join(f"#include <{h}>\n" for h in PCH_HEADERS))
+        pch_log = header.with_suffix(".log")
+        with open(pch_log, "w") as f:
+            pch = subprocess.Popen([cxx, *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"],
+                                   stdout=f, stderr=subprocess.STDOUT)
+    else:
+        pch = None
     try:
         while pending or running:
-            while pending and len(running) < jobs:
+            if pch is not None and pch.poll() is not None:
+                pch_ready = pch.returncode == 0
+                if not pch_ready:
+                    log.info("the precompiled header failed; compiling without it:\n%s", _tail(pch_log.read_text()))
+                pch = None
+            while pending and len(running) + (pch is not None) < jobs:
                 s, o = pending.pop(0)
+                extra = ["-include", str(header)] if pch_ready and s in use_pch else []
                 out = o.with_suffix(".log")  # a file, not a pipe: a long error would fill a pipe nobody reads yet
                 with open(out, "w") as f:
-                    p = subprocess.Popen([cxx, "-c", *flags, str(s), "-o", str(o)], stdout=f, stderr=subprocess.STDOUT)
+                    p = subprocess.Popen([cxx, "-c", *flags, *extra, str(s), "-o", str(o)], stdout=f,
+                                         stderr=subprocess.STDOUT)
                 running.append((s, out, p))
             finished = [r for r in running if r[2].poll() is not None]
             if not finished:
@@ -270,6 +308,12 @@ def _compile_objects(cxx: str, srcs: list[Path], objs: list[Path], flags: list[s
             p.kill()
             p.wait()
             out.unlink(missing_ok=True)
+        if use_pch:
+            if pch is not None:
+                pch.kill()
+                pch.wait()
+            for f in (header, pch_log, Path(f"{header}.gch")):
+                f.unlink(missing_ok=True)  # the .gch is ~270 MB
 
 
 def _compile(cxx: str, srcs: list[Path], target: Path, progress: Callable[[str], None] | None = None) -> None:

@@ -121,6 +121,49 @@ def _tiny_sources(d, n=3):
     return sorted(d.glob("*.cpp"))
 
 
+def _record_compiles(monkeypatch):
+    cmds, popen = [], subprocess.Popen
+
+    def recording(cmd, *a, **k):
+        if "-o" in cmd:  # the compiles, not `c++ --version` (subprocess.run goes through Popen too)
+            cmds.append(list(cmd))
+        return popen(cmd, *a, **k)
+
+    monkeypatch.setattr(_native.subprocess, "Popen", recording)
+    return cmds
+
+
+@pytest.mark.parametrize("pch_builds", [True, False])
+def test_sources_started_after_the_precompiled_header_include_it(pch_builds, tmp_path, monkeypatch):
+    """On fewer cores than sources, GCC precompiles the common headers first; a header that fails only costs time."""
+    cxx = _native._compiler()
+    if cxx is None or "Free Software Foundation" not in _native._compiler_id(cxx):
+        pytest.skip("the precompiled header is built with GCC only")
+    headers = ("vector", "string") if pch_builds else ("vector", "flashrl_no_such_header.h")
+    monkeypatch.setattr(_native, "PCH_HEADERS", headers)
+    monkeypatch.setattr(_native._cpu, "usable_cpus", lambda: [0])
+    monkeypatch.delenv("FLASHRL_NATIVE_PCH", raising=False)
+    srcs = []
+    for i in range(3):  # the missing header is included where it exists only: the plain compile still works
+        srcs.append(tmp_path / f"src{i}.cpp")
+        srcs[-1].write_text(f"#include <{headers[0]}>\n#if __has_include(<{headers[1]}>)\n#include <{headers[1]}>\n"
+                            f"#endif\nint f{i}() {{ return std::{headers[0]}<int>{{{i}}}[0]; }}\n")
+    (tmp_path / "other.cpp").write_text("int g() { return 7; }\n")  # includes neither: always plain
+    srcs.append(tmp_path / "other.cpp")
+    objs = [tmp_path / f"{s.stem}.o" for s in srcs]
+    cmds = _record_compiles(monkeypatch)
+    _native._compile_objects(cxx, srcs, objs, ["-O0"])
+    assert cmds[0][-5:-3] == ["-x", "c++-header"]  # one core: the header first
+    assert all(o.exists() for o in objs)
+    with_pch = [c[-3] for c in cmds[1:] if "-include" in c]
+    assert with_pch == ([str(s) for s in srcs[:3]] if pch_builds else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([s.name for s in srcs] + [o.name for o in objs])
+    monkeypatch.setenv("FLASHRL_NATIVE_PCH", "0")
+    cmds.clear()
+    _native._compile_objects(cxx, srcs, objs, ["-O0"])
+    assert len(cmds) == len(srcs) and not any("-include" in c for c in cmds)
+
+
 def test_first_build_says_so_on_stderr_and_a_cache_hit_is_silent(fresh_status, monkeypatch, capsys):
     """The first use compiles for a minute or two inside the user's first CPU op call: it must not look like a hang."""
     srcs = _tiny_sources(fresh_status / "cpu")

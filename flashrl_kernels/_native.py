@@ -246,7 +246,7 @@ PCH_HEADERS = ("ATen/Parallel.h", "ATen/core/Tensor.h", "c10/util/BFloat16.h", "
 def _pch_sources(cxx: str, srcs: list[Path], jobs: int) -> set[Path]:
     """The sources to compile with the precompiled header: none where it cannot pay (a compiler per source anyway,
     not GCC, FLASHRL_NATIVE_PCH=0), else those that include every PCH_HEADERS file."""
-    if jobs >= len(srcs) or os.environ.get("FLASHRL_NATIVE_PCH", "1").strip().lower() in ("0", "false", "off", "no"):
+    if jobs >= len(srcs) or _switched_off("FLASHRL_NATIVE_PCH"):
         return set()
     if "Free Software Foundation" not in _compiler_id(cxx):  # clang finds no .gch beside an -include'd header
         return set()
@@ -358,8 +358,13 @@ def _tail(text: str, lines: int = 25) -> str:
 
 # ---------------------------------------------------------------- load
 
+def _switched_off(variable: str) -> bool:
+    """An on-by-default switch set to 0 / false / off / no."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def _disabled() -> bool:
-    return os.environ.get("FLASHRL_NATIVE", "1").strip().lower() in ("0", "false", "off", "no")
+    return _switched_off("FLASHRL_NATIVE")
 
 
 def load() -> bool:
@@ -439,7 +444,7 @@ def _build(cxx: str, srcs: list[Path]) -> Path:
 
 
 def _progress_enabled() -> bool:
-    return os.environ.get("FLASHRL_NATIVE_PROGRESS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return not _switched_off("FLASHRL_NATIVE_PROGRESS")
 
 
 class _BuildReport:

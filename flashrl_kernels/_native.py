@@ -265,17 +265,14 @@ def _compile_objects(cxx: str, srcs: list[Path], objs: list[Path], flags: list[s
     pending = list(zip(srcs, objs))
     running: list[tuple[Path, Path, subprocess.Popen]] = []
     use_pch = _pch_sources(cxx, srcs, jobs)
-    pch_dir = objs[0].parent if objs else None
-    header = pch_dir / "flashrl_pch.h" if pch_dir is not None else None
-    pch_ready = False
+    pch, pch_ready = None, False
     if use_pch:
-        header.write_text("".join(f"#include <{h}>\n" for h in PCH_HEADERS))
+        header = objs[0].parent / "flashrl_pch.h"
         pch_log = header.with_suffix(".log")
+        header.write_text("".join(f"#include <{h}>\n" for h in PCH_HEADERS))
         with open(pch_log, "w") as f:
             pch = subprocess.Popen([cxx, *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"],
                                    stdout=f, stderr=subprocess.STDOUT)
-    else:
-        pch = None
     try:
         while pending or running:
             if pch is not None and pch.poll() is not None:

@@ -24,10 +24,9 @@ def test_build_says_where_the_kernels_are_and_compile_checks_other_capabilities(
 
     if not _backend.native_built():
         pytest.skip(f"native CPU kernels not built here: {_native.native_status().reason}")
-    srcs = []
-    for i in range(2):  # stand-ins that compile in well under a second
-        srcs.append(tmp_path / f"tiny{i}.cpp")
-        srcs[-1].write_text(f"int tiny{i}() {{ return {i}; }}\n")
+    from test_native import _tiny_sources
+
+    srcs = _tiny_sources(tmp_path / "cpu", n=2)
     monkeypatch.setattr(_native, "sources", lambda: srcs)
     assert cli.main(["build", "--compile-check", "avx512,default"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -22,8 +22,8 @@ def _csrc_files(root: Path) -> dict[str, bytes]:
             for p in sorted(root.rglob("*")) if p.is_file() and p.suffix in SHIPPED_SUFFIXES}
 
 
-def _setup_py(*args, cwd=ROOT):
-    r = subprocess.run([sys.executable, "setup.py", "-q", *args], cwd=cwd, capture_output=True, text=True,
+def _setup_py(*args):
+    r = subprocess.run([sys.executable, "setup.py", "-q", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
